@@ -1,0 +1,20 @@
+"""FP8 formats, scaling and the Float8Tensor."""
+
+from fp8shard.fp8 import ops as _ops  # noqa: F401  (registers the dispatch table)
+from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
+from fp8shard.fp8.formats import Fp8Format
+from fp8shard.fp8.scaling import (
+    AmaxHistory,
+    CurrentScaling,
+    DelayedScaling,
+    Recipe,
+    RecipeFormat,
+    amax,
+    scale_from_amax,
+)
+from fp8shard.fp8.tensor import Float8Tensor
+
+__all__ = [
+    "AmaxHistory", "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format", "Recipe",
+    "RecipeFormat", "amax", "cast_from_fp8", "cast_to_fp8", "scale_from_amax",
+]

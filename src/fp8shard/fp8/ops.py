@@ -1,0 +1,140 @@
+"""What each aten op does to a Float8Tensor (the ``__torch_dispatch__`` table).
+
+Three classes of op, see [Note: Float8Tensor]:
+  * listed here with ``@implements``: keep FP8 (views, detach, clone, copy_, device moves);
+  * in-place (the schema writes an argument): dequantize -> apply -> re-quantize in place;
+  * everything else: run on the dequantized values, return plain tensors (the fallback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from fp8shard.fp8.tensor import Float8Tensor
+
+aten = torch.ops.aten
+_TABLE: dict[Any, Callable[..., Any]] = {}
+
+
+def implements(ops: list[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            _TABLE[op] = fn
+        return fn
+
+    return register
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    handler = _TABLE.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    if _mutated_arg_indices(func):
+        return _inplace(func, args, kwargs)
+    return _fallback(func, args, kwargs)
+
+
+def _unwrap(x: Any) -> Any:
+    return x.dequantize() if isinstance(x, Float8Tensor) else x
+
+
+def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+
+
+def _mutated_arg_indices(func: Any) -> list[int]:
+    cache = _MUTATED.get(func)
+    if cache is None:
+        cache = [
+            i for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        _MUTATED[func] = cache
+    return cache
+
+
+_MUTATED: dict[Any, list[int]] = {}
+
+
+def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Dequantize, apply the op to high-precision copies, re-quantize into the same bytes."""
+    schema_args = func._schema.arguments
+    targets: dict[str, Float8Tensor] = {}
+    hp_args = list(tree_map(_unwrap, args))
+    hp_kwargs = dict(tree_map(_unwrap, kwargs))
+    for i in _mutated_arg_indices(func):
+        name = schema_args[i].name
+        original = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(original, Float8Tensor):
+            targets[name] = original
+    out = func(*hp_args, **hp_kwargs)
+    for i, a in enumerate(schema_args):
+        f8 = targets.get(a.name)
+        if f8 is None:
+            continue
+        hp = hp_args[i] if i < len(hp_args) else hp_kwargs[a.name]
+        f8.quantize_(hp)
+    if isinstance(out, torch.Tensor) and len(targets) == 1:
+        return next(iter(targets.values()))
+    return out
+
+
+@implements([aten.detach.default, aten.alias.default])
+def _detach(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    t = args[0]
+    return t._rewrap(func(t._data))
+
+
+@implements([
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.as_strided.default,
+])
+def _view(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    t = args[0]
+    return t._rewrap(func(t._data, *args[1:], **kwargs))
+
+
+@implements([aten.clone.default])
+def _clone(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    t = args[0]
+    return t._rewrap(func(t._data, **kwargs), share=False)
+
+
+@implements([aten._to_copy.default])
+def _to_copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``.to(device)`` keeps FP8; ``.to(floating dtype)`` keeps FP8 with a new nominal dtype;
+    ``.to(int dtype)`` returns plain converted values."""
+    t = args[0]
+    dtype = kwargs.pop("dtype", None) or t.dtype
+    if not dtype.is_floating_point:
+        return func(t.dequantize(), dtype=dtype, **kwargs)
+    data = func(t._data, **kwargs)
+    scale_inv = func(t._scale_inv, **{k: v for k, v in kwargs.items() if k == "device"})
+    return Float8Tensor(data, scale_inv, t._fp8_format, dtype)
+
+
+@implements([aten.copy_.default])
+def _copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    dst, src = args[0], args[1]
+    if not isinstance(dst, Float8Tensor):
+        return dst.copy_(src.dequantize(dst.dtype))
+    if isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format:
+        # Bit-exact: the same bytes and the same scale.
+        dst._data.copy_(src._data)
+        dst._scale_inv.copy_(src._scale_inv)
+        dst._meta.bytes_changed()
+        return dst
+    value = src.dequantize() if isinstance(src, Float8Tensor) else src
+    if value.shape != dst.shape:
+        value = value.expand(dst.shape)
+    return dst.quantize_(value.to(dst.device))
+
+
+@implements([aten.is_same_size.default])
+def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
+    return bool(args[0].shape == args[1].shape)

@@ -1,0 +1,262 @@
+"""Float8Tensor: FP8 bytes plus a scale, acting as a high-precision tensor.
+
+[Note: Float8Tensor]
+    A Float8Tensor holds ``_data`` (a ``torch.float8_*`` tensor, one byte per element) and
+    ``_scale_inv`` (fp32, 0-d); its value is ``_data.float() * _scale_inv`` in the nominal
+    ``dtype`` it reports (fp32, bf16 or fp16). Wrappers that share bytes (``detach``, views,
+    ``nn.Parameter``) share the same ``_scale_inv`` tensor and the same ``_Fp8Meta``, so a change
+    of bytes or scale through one is seen by all. Op semantics live in ``fp8shard.fp8.ops``:
+    view-like ops stay FP8, in-place ops dequantize -> apply -> re-quantize into the same bytes,
+    every other op runs on the dequantized value. The transposed copy of the bytes that the
+    backward GEMM needs is cached in the meta and dropped whenever the bytes change.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
+from fp8shard.fp8.formats import Fp8Format
+from fp8shard.fp8.scaling import amax as compute_amax
+from fp8shard.fp8.scaling import scale_from_amax
+
+_NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _Fp8Meta:
+    """State shared by every wrapper of the same bytes: a generation count and caches."""
+
+    __slots__ = ("generation", "transposes")
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.transposes: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+
+    def bytes_changed(self) -> None:
+        self.generation += 1
+        self.transposes.clear()
+
+
+def _check_scale(scale: Any, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(scale, (int, float)):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+    if scale.numel() != 1:
+        raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(
+            f"scale is on {scale.device} but the tensor is on {x.device}; move the scale with "
+            f"scale.to({str(x.device)!r})"
+        )
+    s = float(scale)
+    if not (s > 0 and s != float("inf")):
+        raise ValueError(f"scale must be finite and > 0, got {s}")
+    return scale.reshape(()).float()
+
+
+class Float8Tensor(torch.Tensor):
+    """FP8 bytes + an fp32 scale that PyTorch code can use as a ``dtype`` tensor.
+
+    Build one with :meth:`quantize`; read it back with :meth:`dequantize`. See
+    [Note: Float8Tensor] and [Note: scale].
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _fp8_format: Fp8Format
+    _meta: _Fp8Meta
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        fp8_format: Fp8Format,
+        dtype: torch.dtype,
+        requires_grad: bool = False,
+        meta: _Fp8Meta | None = None,
+    ) -> Float8Tensor:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
+        self._data = data
+        self._scale_inv = scale_inv
+        self._fp8_format = fp8_format
+        self._meta = meta if meta is not None else _Fp8Meta()
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 - built in __new__
+        super().__init__()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        fp8_format: Fp8Format | str = Fp8Format.E4M3,
+        scale: torch.Tensor | float | None = None,
+    ) -> Float8Tensor:
+        """Quantize ``x``; with ``scale=None`` the scale comes from ``amax(x)`` (current scaling).
+
+        The result reports ``x.dtype`` and ``x.shape`` and stores one byte per element.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Float8Tensor.quantize takes a tensor, got {type(x).__name__}")
+        if isinstance(x, Float8Tensor):
+            x = x.dequantize()
+        if x.dtype not in _NOMINAL_DTYPES:
+            raise TypeError(
+                f"cannot quantize a {x.dtype} tensor to FP8: give a floating-point tensor "
+                f"(float32, bfloat16 or float16), e.g. x.float()"
+            )
+        fmt = Fp8Format.parse(fp8_format)
+        if scale is None:
+            scale_t = scale_from_amax(compute_amax(x), fmt.max)
+        else:
+            scale_t = _check_scale(scale, x)
+        data = cast_to_fp8(x.detach(), scale_t, fmt)
+        return cls(data, scale_t.reciprocal(), fmt, x.dtype)
+
+    def _rewrap(self, data: torch.Tensor, share: bool = True) -> Float8Tensor:
+        """A wrapper of ``data`` with this tensor's scale (shared when ``share``)."""
+        scale_inv = self._scale_inv if share else self._scale_inv.clone()
+        meta = self._meta if share else None
+        return Float8Tensor(data, scale_inv, self._fp8_format, self.dtype, meta=meta)
+
+    # ------------------------------------------------------------------ reading
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """The value as a plain tensor of ``dtype`` (default: the nominal dtype)."""
+        return cast_from_fp8(self._data, self._scale_inv, dtype or self.dtype)
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """fp32 0-d tensor: value = fp8 bytes as float x scale_inv."""
+        return self._scale_inv
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale_inv.reciprocal()
+
+    @property
+    def fp8_format(self) -> Fp8Format:
+        return self._fp8_format
+
+    @property
+    def fp8_data(self) -> torch.Tensor:
+        """The raw float8 bytes (shares storage with this tensor)."""
+        return self._data
+
+    def uint8_view(self) -> torch.Tensor:
+        """The bytes as ``uint8`` (same storage), the form collectives move (gloo has no float8)."""
+        return self._data.view(torch.uint8)
+
+    def fp8_transpose(self) -> torch.Tensor:
+        """Contiguous float8 bytes of ``self.t()`` (2-D), cached until the bytes change."""
+        if self._data.dim() != 2:
+            raise ValueError(f"fp8_transpose needs a 2-D tensor, got {self._data.dim()}-D")
+        d = self._data
+        key = (tuple(d.shape), d.stride(), d.storage_offset(), d.untyped_storage().data_ptr())
+        hit = self._meta.transposes.get(key)
+        if hit is not None and hit[0] == self._meta.generation and hit[1] == d._version:
+            return hit[2]
+        t = d.t().contiguous()
+        self._meta.transposes[key] = (self._meta.generation, d._version, t)
+        return t
+
+    # ------------------------------------------------------------------ high-precision init value
+    def get_high_precision_init_val(self) -> torch.Tensor | None:
+        """The high-precision value this weight was initialized from, if it was preserved.
+
+        ``fp8_model_init(preserve_high_precision_init_val=True)`` keeps it (on CPU) so an
+        optimizer can start its FP32 master from it instead of from the FP8 bytes.
+        """
+        return self.__dict__.get("_hp_init_val")
+
+    def set_high_precision_init_val(self, value: torch.Tensor) -> None:
+        self.__dict__["_hp_init_val"] = value.detach().to("cpu", copy=True)
+
+    def clear_high_precision_init_val(self) -> None:
+        self.__dict__.pop("_hp_init_val", None)
+
+    # ------------------------------------------------------------------ writing
+    def mark_bytes_changed(self) -> None:
+        """Call after writing ``_data`` or ``_scale_inv`` from outside (e.g. a collective)."""
+        self._meta.bytes_changed()
+
+    def quantize_(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Tensor:
+        """Overwrite the bytes and scale in place from high-precision ``x``.
+
+        ``scale=None``: current scaling from ``amax(x)``, keeping the previous scale when that
+        amax is zero or non-finite. The tensor object, its storage and its scale tensor stay.
+        """
+        if scale is None:
+            scale = scale_from_amax(compute_amax(x), self._fp8_format.max, self._scale_inv.reciprocal())
+        cast_to_fp8(x, scale, self._fp8_format, out=self._data)
+        self._scale_inv.copy_(scale.reshape(()).reciprocal())
+        self._meta.bytes_changed()
+        return self
+
+    # ------------------------------------------------------------------ python protocol
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"Float8Tensor(fp8_format={self._fp8_format.name}, dtype={self.dtype}, "
+            f"shape={tuple(self.shape)}, device={self.device}, "
+            f"scale_inv={self._scale_inv.item():.6g}, value={self.dequantize()!r})"
+        )
+
+    def __deepcopy__(self, memo: dict) -> Float8Tensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        new = Float8Tensor(
+            self._data.clone(), self._scale_inv.clone(), self._fp8_format, self.dtype,
+            requires_grad=self.requires_grad,
+        )
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in ("_data", "_scale_inv", "_fp8_format", "_meta"):
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # torch.save / pickle: bytes, scale and format travel; torch.load(weights_only=True)
+        # accepts the rebuild function because it is registered as a safe global below.
+        return (
+            _rebuild_float8_tensor,
+            (self._data, self._scale_inv, self._fp8_format.value, self.dtype, self.requires_grad),
+        )
+
+    # torch.compile support: the inner tensors and the constant metadata.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["_data", "_scale_inv"], (self._fp8_format, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> Float8Tensor:
+        fmt, dtype = ctx
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], fmt, dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from fp8shard.fp8.ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+
+def _rebuild_float8_tensor(
+    data: torch.Tensor, scale_inv: torch.Tensor, fmt_value: str, dtype: torch.dtype, requires_grad: bool
+) -> Float8Tensor:
+    return Float8Tensor(data, scale_inv, Fp8Format(fmt_value), dtype, requires_grad=requires_grad)
+
+
+torch.serialization.add_safe_globals([_rebuild_float8_tensor])

@@ -1,0 +1,38 @@
+"""Shared fixtures. ``dist_pool`` is the one multi-process harness of the suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8shard.testing import DistPool
+
+
+
+@pytest.fixture(scope="module")
+def dist_pools(request):
+    """``dist_pools(world_size)`` -> a DistPool shared by every test of this module."""
+    pools: dict[int, DistPool] = {}
+
+    def get(world_size: int) -> DistPool:
+        if world_size not in pools:
+            pools[world_size] = DistPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on the lent H200")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_device():
+    return torch.device("cuda")
