@@ -8,7 +8,6 @@ import torch
 from fp8shard.testing import DistPool
 
 
-
 @pytest.fixture(scope="module")
 def dist_pools(request):
     """``dist_pools(world_size)`` -> a DistPool shared by every test of this module."""

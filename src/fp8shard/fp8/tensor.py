@@ -97,7 +97,7 @@ class Float8Tensor(torch.Tensor):
         self._meta = meta if meta is not None else _Fp8Meta()
         return self
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 - built in __new__
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
 
     # ------------------------------------------------------------------ construction
@@ -231,10 +231,11 @@ class Float8Tensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         # torch.save / pickle: bytes, scale and format travel; torch.load(weights_only=True)
-        # accepts the rebuild function because it is registered as a safe global below.
+        # accepts the rebuild function because it is registered as a safe global below. The
+        # bytes travel as uint8: plain pickle of a float8 tensor fails in torch 2.13.
         return (
             _rebuild_float8_tensor,
-            (self._data, self._scale_inv, self._fp8_format.value, self.dtype, self.requires_grad),
+            (self.uint8_view(), self._scale_inv, self._fp8_format.value, self.dtype, self.requires_grad),
         )
 
     # torch.compile support: the inner tensors and the constant metadata.
@@ -256,7 +257,8 @@ class Float8Tensor(torch.Tensor):
 def _rebuild_float8_tensor(
     data: torch.Tensor, scale_inv: torch.Tensor, fmt_value: str, dtype: torch.dtype, requires_grad: bool
 ) -> Float8Tensor:
-    return Float8Tensor(data, scale_inv, Fp8Format(fmt_value), dtype, requires_grad=requires_grad)
+    fmt = Fp8Format(fmt_value)
+    return Float8Tensor(data.view(fmt.torch_dtype), scale_inv, fmt, dtype, requires_grad=requires_grad)
 
 
 torch.serialization.add_safe_globals([_rebuild_float8_tensor])
