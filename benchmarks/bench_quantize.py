@@ -58,17 +58,17 @@ def main() -> None:
             t8 = fs.Float8Tensor.quantize(x)
             dst = torch.empty_like(x)
             cases = {
-                "copy (ceiling)": (lambda: dst.copy_(x), 2 * n * es),
-                "quantize": (lambda: fs.Float8Tensor.quantize(x), n * es + n),
-                "dequantize": (lambda: t8.dequantize(), n + n * es),
+                "copy (ceiling)": (lambda x=x, dst=dst: dst.copy_(x), 2 * n * es),
+                "quantize": (lambda x=x: fs.Float8Tensor.quantize(x), n * es + n),
+                "dequantize": (lambda t8=t8: t8.dequantize(), n + n * es),
             }
             for name, (fn, nbytes) in cases.items():
                 sec = _time(fn, dev, reps)
                 rows.append({"op": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                              "ms": sec * 1e3, "GB_per_s": nbytes / sec / 1e9})
     copy_bw = {(tuple(r["shape"]), r["dtype"]): r["GB_per_s"] for r in rows if r["op"].startswith("copy")}
-    print(f"device={dev} ({torch.cuda.get_device_name() if dev == 'cuda' else platform.processor() or 'cpu'}),"
-          f" torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    print(f"device={dev} ({name}), torch {torch.__version__}")
     print(f"{'op':<16}{'shape':>14}{'dtype':>10}{'ms':>10}{'GB/s':>10}{'of copy':>9}")
     for r in rows:
         frac = r["GB_per_s"] / copy_bw[(tuple(r["shape"]), r["dtype"])]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("fmt", cpu.FORMATS)
 @pytest.mark.parametrize("dtype", cpu.DTYPES)
-@pytest.mark.parametrize("shape", cpu.SHAPES + [(4096, 1031)])
+@pytest.mark.parametrize("shape", [*cpu.SHAPES, (4096, 1031)])
 def test_quantize_is_bit_exact_with_torch_cast_cuda(fmt, dtype, shape):
     cpu.test_quantize_is_bit_exact_with_torch_cast(fmt, dtype, shape, device="cuda")
 
