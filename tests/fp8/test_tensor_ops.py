@@ -154,3 +154,16 @@ def test_high_precision_init_value_is_kept_on_cpu_and_cleared():
     assert torch.equal(t.get_high_precision_init_val(), w)
     t.clear_high_precision_init_val()
     assert t.get_high_precision_init_val() is None
+
+
+def test_reinit_in_place_updates_a_preserved_high_precision_value():
+    t = fs.Float8Tensor.quantize(torch.zeros(8, 8) + 0.5)
+    t.set_high_precision_init_val(t.dequantize())
+    torch.manual_seed(0)
+    torch.nn.init.normal_(t, std=0.02)  # what a model's init_weights does to an FP8 weight
+    hp = t.get_high_precision_init_val()
+    assert hp.std().item() == pytest.approx(0.02, rel=0.3)
+    assert torch.equal(t.uint8_view(), fs.Float8Tensor.quantize(hp).uint8_view())
+    w = torch.randn(8, 8)
+    t.copy_(w)
+    assert torch.equal(t.get_high_precision_init_val(), w)

@@ -77,6 +77,7 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
         if f8 is None:
             continue
         hp = hp_args[i] if i < len(hp_args) else hp_kwargs[a.name]
+        _keep_hp_init_val(f8, hp)
         f8.quantize_(hp)
     if isinstance(out, torch.Tensor) and len(targets) == 1:
         return next(iter(targets.values()))
@@ -132,7 +133,16 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     value = src.dequantize() if isinstance(src, Float8Tensor) else src
     if value.shape != dst.shape:
         value = value.expand(dst.shape)
+    _keep_hp_init_val(dst, value)
     return dst.quantize_(value.to(dst.device))
+
+
+def _keep_hp_init_val(f8: Float8Tensor, hp: torch.Tensor) -> None:
+    """A weight re-initialized in place (``nn.init.normal_(w)``, ``w.copy_(x)``) while its
+    high-precision init value is preserved keeps the new high-precision value, so the
+    optimizer's master starts from what init really drew, not from the first draw."""
+    if f8.get_high_precision_init_val() is not None:
+        f8.set_high_precision_init_val(hp)
 
 
 @implements([aten.is_same_size.default])
