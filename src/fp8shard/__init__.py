@@ -3,6 +3,7 @@
 See docs/design.md for the data flow and the [Note: ...] conventions cited in the code.
 """
 
+from fp8shard import nn
 from fp8shard.fp8 import (
     CurrentScaling,
     DelayedScaling,
@@ -10,9 +11,11 @@ from fp8shard.fp8 import (
     Fp8Format,
     RecipeFormat,
 )
+from fp8shard.nn import convert_to_fp8, fp8_autocast, fp8_model_init
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "convert_to_fp8", "fp8_autocast", "fp8_model_init", "nn",
     "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format", "RecipeFormat", "__version__",
 ]

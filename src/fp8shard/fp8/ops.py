@@ -148,3 +148,16 @@ def _keep_hp_init_val(f8: Float8Tensor, hp: torch.Tensor) -> None:
 @implements([aten.is_same_size.default])
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(args[0].shape == args[1].shape)
+
+
+@implements([aten.empty_like.default])
+def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``empty_like`` keeps FP8 (new bytes, scale 1), so ``Module.to_empty`` materializes a
+    model built on the meta device with FP8 weights; ``reset_parameters`` then fills them."""
+    t = args[0]
+    dtype = kwargs.pop("dtype", None) or t.dtype
+    if not dtype.is_floating_point:
+        return func(t.dequantize(), dtype=dtype, **kwargs)
+    data = func(t._data, **kwargs)
+    scale_inv = torch.ones((), dtype=torch.float32, device=data.device)
+    return Float8Tensor(data, scale_inv, t._fp8_format, dtype)

@@ -1,0 +1,170 @@
+"""Forward + backward of one linear layer: fp8shard FP8 vs bf16 ``nn.Linear`` (vs torchao).
+
+    python benchmarks/bench_linear.py [--device cpu|cuda] [--quick] [--no-compile] [--out FILE.json]
+
+Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 tokens,
+256->512 and 512->256 (CPU-sized). Every variant computes in bf16 inputs and weights:
+  bf16             torch.nn.Linear
+  fp8 current      fp8shard.nn.Linear, bf16 weight, CurrentScaling
+  fp8 delayed      fp8shard.nn.Linear, bf16 weight, DelayedScaling (one autocast per step,
+                   so each step also updates the amax history)
+  fp8 params       fp8shard.nn.Linear built in fp8_model_init (E4M3 weight), CurrentScaling
+  torchao          torchao.float8 Float8Linear, tensorwise scaling (if torchao imports)
+each eager and under ``torch.compile``. A step is forward, backward (grads of input and
+weight) and ``zero_grad``; the time is the median over repetitions (CUDA events on a GPU,
+``perf_counter`` on CPU). TFLOP/s counts the three GEMMs: 6 x tokens x in x out.
+``sqnr_db`` is the output's SQNR against the bf16 layer's output on the same values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fp8shard as fs
+from fp8shard.testing import sqnr_db
+
+VARIANTS = ["bf16", "fp8 current", "fp8 delayed", "fp8 params", "torchao"]
+
+
+def _time(step: Callable[[], None], device: str, warmup: int, reps: int) -> float:
+    """Median seconds of ``step`` after ``warmup`` untimed calls (which include compilation)."""
+    for _ in range(warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callable[[], Any]]:
+    """The layer of ``variant`` with ``ref``'s values, and the context its steps run in."""
+    if variant == "bf16":
+        layer = torch.nn.Linear(ref.in_features, ref.out_features, device=ref.weight.device,
+                                dtype=torch.bfloat16)
+        layer.load_state_dict(ref.state_dict())
+        return layer, contextlib.nullcontext
+    if variant == "torchao":
+        from torchao.float8 import convert_to_float8_training  # optional dependency
+
+        model = torch.nn.Sequential(torch.nn.Linear(ref.in_features, ref.out_features,
+                                                    device=ref.weight.device, dtype=torch.bfloat16))
+        model[0].load_state_dict(ref.state_dict())
+        return convert_to_float8_training(model), contextlib.nullcontext
+    with fs.fp8_model_init(enabled=variant == "fp8 params"):
+        layer = fs.nn.Linear(ref.in_features, ref.out_features, device=ref.weight.device,
+                             dtype=torch.bfloat16)
+    layer.load_state_dict(ref.state_dict())  # quantizes into the FP8 weight for "fp8 params"
+    recipe = fs.DelayedScaling() if variant == "fp8 delayed" else fs.CurrentScaling()
+    return layer, lambda: fs.fp8_autocast(recipe=recipe)
+
+
+def _measure(variant: str, compiled: bool, ref: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor,
+             y_ref: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    layer, ctx = _build(variant, ref)
+    model = torch.compile(layer, dynamic=False) if compiled else layer
+    x = x.detach().requires_grad_()
+
+    def step() -> torch.Tensor:
+        with ctx():
+            y = model(x)
+        y.backward(dy)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return y
+
+    y = step()
+    device = x.device.type
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sec = _time(step, device, args.warmup, args.reps)
+    tokens, (out_f, in_f) = x.shape[0], ref.weight.shape
+    row = {"variant": variant, "mode": "compile" if compiled else "eager", "tokens": tokens,
+           "in": in_f, "out": out_f, "ms": sec * 1e3, "tflops": 6 * tokens * in_f * out_f / sec / 1e12,
+           "sqnr_db": sqnr_db(y_ref, y)}
+    if device == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return row
+
+
+def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(in_f, out_f, device=args.device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, in_f, device=args.device, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, out_f, device=args.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_ref = ref(x).float()
+    rows = []
+    for compiled in (False, True) if args.compile else (False,):
+        for variant in VARIANTS:
+            try:
+                rows.append(_measure(variant, compiled, ref, x, dy, y_ref, args))
+            except Exception as e:  # e.g. torchao not installed: report it, keep going
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
+                rows.append({"variant": variant, "mode": "compile" if compiled else "eager",
+                             "tokens": tokens, "in": in_f, "out": out_f, "unavailable": reason})
+            torch._dynamo.reset()
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], header: str) -> None:
+    print(header)
+    print(f"{'shape':>20}{'mode':>9}  {'variant':<13}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}{'SQNR dB':>9}")
+    base = {(r["tokens"], r["in"], r["out"], r["mode"]): r["ms"] for r in rows if r["variant"] == "bf16"
+            and "ms" in r}
+    for r in rows:
+        shape = f"{r['tokens']}x{r['in']}->{r['out']}"
+        if "unavailable" in r:
+            print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}  unavailable ({r['unavailable']})")
+            continue
+        b = base.get((r["tokens"], r["in"], r["out"], r["mode"]))
+        r["speedup_vs_bf16"] = b / r["ms"] if b else None
+        speed = f"{r['speedup_vs_bf16']:.2f}x" if b else "-"
+        print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
+              f"{speed:>9}{r['sqnr_db']:>9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CPU)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager only")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    shapes = [(128, 256, 512), (128, 512, 256)] if args.quick else [(8192, 4096, 14336),
+                                                                        (8192, 14336, 4096)]
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    args.reps = args.reps if args.reps is not None else (5 if args.quick else 30)
+    rows = [r for shape in shapes for r in _run_shape(*shape, args)]
+    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    _print(rows, f"device={args.device} ({name}), torch {torch.__version__}, median of {args.reps}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": args.device, "device_name": name, "torch": torch.__version__,
+                       "quick": args.quick, "reps": args.reps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

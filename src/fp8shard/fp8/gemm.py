@@ -1,0 +1,134 @@
+"""The FP8 GEMM: ``torch._scaled_mm`` where it can serve, padding or emulation where it cannot.
+
+[Note: three GEMMs] gives the operands; this module only knows one product
+``out = (a · b) * a_scale_inv * b_scale_inv`` of an ``[M, K]`` row-major FP8 ``a`` and a
+``[K, N]`` column-major FP8 ``b``, accumulated in fp32 and returned as ``out_dtype``.
+
+Which path serves a product is decided from the device and the dims alone, so it is the same
+for every call of a shape and can be folded into a ``torch.compile`` graph as a constant:
+
+* ``"scaled_mm"``: ``torch._scaled_mm`` directly (CPU: any dims; CUDA sm89+: dims multiples
+  of 16).
+* ``"padded"``: CUDA sm89+ with a dim that is not a multiple of 16. The operands are padded
+  with zero bytes up to multiples of 16; zeros in K add nothing to the sums and extra rows or
+  columns of M and N are sliced off, so the product is the same, still on FP8 tensor cores.
+* ``"emulated"``: everywhere else (GPUs older than sm89, other devices). The FP8 values are
+  dequantized and multiplied in fp32: same rounding of the inputs, high-precision product.
+
+A path other than ``"scaled_mm"`` is reported once per process and reason (``warnings`` and
+``logging``), because it costs speed, not correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("scaled_mm", "padded", "emulated")
+_ALIGN = 16
+_forced_path: str | None = None
+_reported: set[str] = set()
+
+
+@contextlib.contextmanager
+def force_gemm_path(path: str | None) -> Iterator[None]:
+    """Use ``path`` for every FP8 GEMM inside (tests and benchmarks compare the paths)."""
+    global _forced_path
+    if path is not None and path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; choose one of {PATHS}")
+    previous, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = previous
+
+
+def _report_once(reason: str, message: str) -> None:
+    if reason in _reported:
+        return
+    _reported.add(reason)
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@torch.compiler.assume_constant_result
+def choose_gemm_path(device_type: str, device_index: int, m: int, k: int, n: int) -> str:
+    """The path that serves an ``[m, k] x [k, n]`` FP8 product on this device (see module doc)."""
+    if _forced_path is not None:
+        return _forced_path
+    if device_type == "cpu":
+        return "scaled_mm"
+    if device_type == "cuda" and torch.cuda.get_device_capability(device_index) >= (8, 9):
+        if m % _ALIGN == 0 and k % _ALIGN == 0 and n % _ALIGN == 0:
+            return "scaled_mm"
+        _report_once(
+            "padded",
+            f"fp8shard: FP8 GEMM dims {m}x{k}x{n} are not all multiples of {_ALIGN}; padding the "
+            "operands for torch._scaled_mm (exact, but costs a copy). Use multiples of 16 for speed.",
+        )
+        return "padded"
+    _report_once(
+        f"emulated-{device_type}",
+        f"fp8shard: torch._scaled_mm needs a CPU or a CUDA GPU of compute capability 8.9+; on "
+        f"{device_type} the FP8 GEMMs are emulated (inputs rounded through FP8, product in fp32).",
+    )
+    return "emulated"
+
+
+def fp8_mm(
+    a_fp8: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_fp8_colmajor: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a · b) * a_scale_inv * b_scale_inv`` as ``out_dtype``; a: [M, K], b: [K, N] FP8.
+
+    ``a_fp8`` must be row-major and ``b_fp8_colmajor`` column-major (``b.t()`` contiguous), the
+    layout ``torch._scaled_mm`` wants; the scales are fp32 0-d inverse scales ([Note: scale]).
+    """
+    m, k = a_fp8.shape
+    n = b_fp8_colmajor.shape[1]
+    device = a_fp8.device
+    path = choose_gemm_path(device.type, device.index or 0, m, k, n)
+    if path == "emulated":
+        return _emulated_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype)
+    if path == "padded":
+        return _padded_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype)
+    return torch._scaled_mm(
+        a_fp8, b_fp8_colmajor, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype
+    )
+
+
+def _emulated_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # The FP8 values are exact in fp32; the product is taken in fp32, then scaled once.
+    out = torch.mm(a.float(), b.float()) * (a_scale_inv.float() * b_scale_inv.float())
+    return out.to(out_dtype)
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D FP8 tensor to ``[rows, cols]``, going through uint8 (pad has no float8)."""
+    pad_r, pad_c = rows - x.shape[0], cols - x.shape[1]
+    if pad_r == 0 and pad_c == 0:
+        return x
+    # The float8 zero is the all-zero byte in both formats.
+    return F.pad(x.view(torch.uint8), (0, pad_c, 0, pad_r)).view(x.dtype)
+
+
+def _padded_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+               b_scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    mp, kp, np_ = (-(-d // _ALIGN) * _ALIGN for d in (m, k, n))
+    a_p = _pad_to(a, mp, kp).contiguous()  # [mp, kp] row-major
+    b_p = _pad_to(b.t(), np_, kp).contiguous().t()  # [kp, np] column-major
+    out = torch._scaled_mm(a_p, b_p, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype)
+    return out[:m, :n]

@@ -1,0 +1,256 @@
+"""``fp8shard.nn.Linear``: ``torch.nn.Linear`` whose three GEMMs run in FP8 under ``fp8_autocast``.
+
+[Note: three GEMMs] (y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x) in one ``autograd.Function``; operand
+layouts for ``fp8_mm`` (first operand row-major, second column-major):
+
+    forward  y  [T, out] = x_fp8 [T, in]            · (W_fp8 [out, in] row-major).t()
+    dgrad    dx [T, in]  = dy_fp8 [T, out]          · (Wᵀ_fp8 [in, out] row-major).t()
+    wgrad    dW [out, in] = dyᵀ_fp8 [out, T] (copy) · (xᵀ_fp8 [in, T] row-major).t()
+
+Inputs with leading batch dims are flattened to ``[T, in]``. The backward keeps the FP8 bytes
+of x (1 byte per element), never the high-precision x. A ``Float8Tensor`` weight goes into the
+GEMMs as it is (its bytes and ``scale_inv``); its transposed bytes for dgrad come from
+``Float8Tensor.fp8_transpose()``, made once per change of the bytes. Its gradient is a plain
+tensor of the weight's nominal dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fp8shard.fp8.cast import cast_to_fp8
+from fp8shard.fp8.formats import Fp8Format
+from fp8shard.fp8.gemm import fp8_mm
+from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling, amax, scale_from_amax
+from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
+from fp8shard.nn.autocast import Fp8State, current_fp8_state, register_pending
+from fp8shard.nn.model_init import current_model_init
+
+# Slots of a layer's delayed-scaling state: one per GEMM operand.
+SLOT_INPUT, SLOT_WEIGHT, SLOT_GRAD_OUTPUT = 0, 1, 2
+
+
+def _scale_for(x_amax: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot: int,
+               history: torch.Tensor | None) -> torch.Tensor:
+    """Delayed: the layer's scale for ``slot`` (and record ``x_amax``); current: from ``x_amax``."""
+    if scales is None:
+        return scale_from_amax(x_amax, fmt.max)  # [Note: scale], current scaling
+    assert history is not None
+    history[0, slot] = torch.maximum(history[0, slot], x_amax)
+    return scales[slot]
+
+
+def _weight_transpose(weight: Float8Tensor) -> torch.Tensor:
+    """Row-major bytes of Wᵀ [in, out]: the cached copy in eager, a traced copy under compile."""
+    if torch.compiler.is_compiling():
+        return weight._data.t().contiguous()
+    return weight.fp8_transpose()
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """x [.., in], W [out, in] -> x·Wᵀ with the three GEMMs of [Note: three GEMMs] in FP8."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fwd_fmt: Fp8Format, bwd_fmt: Fp8Format,
+                scales: torch.Tensor | None, history: torch.Tensor | None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # [T, in]
+        x_scale = _scale_for(amax(x2d), fwd_fmt, scales, SLOT_INPUT, history)
+        x_fp8, x_scale_inv = cast_to_fp8(x2d, x_scale, fwd_fmt), x_scale.reciprocal()
+        if isinstance(weight, Float8Tensor):
+            # Stored FP8 weights carry their own scale ([Note: weight scaling]): no new cast.
+            w_fp8, w_scale_inv = weight._data, weight._scale_inv
+            ctx.fp8_weight = weight
+        else:
+            w_scale = _scale_for(amax(weight), fwd_fmt, scales, SLOT_WEIGHT, history)
+            w_fp8, w_scale_inv = cast_to_fp8(weight, w_scale, fwd_fmt), w_scale.reciprocal()
+            ctx.fp8_weight = None
+        y = fp8_mm(x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, x.dtype)  # [T, out]
+        ctx.save_for_backward(x_fp8, x_scale_inv, w_fp8, w_scale_inv)
+        # Not saved tensors: the amax step of a reused layer writes to them between uses.
+        ctx.scales, ctx.history, ctx.bwd_fmt = scales, history, bwd_fmt
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_fp8, x_scale_inv, w_fp8, w_scale_inv = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])  # [T, out]
+        dy_scale = _scale_for(amax(dy2d), ctx.bwd_fmt, ctx.scales, SLOT_GRAD_OUTPUT, ctx.history)
+        dy_fp8, dy_scale_inv = cast_to_fp8(dy2d, dy_scale, ctx.bwd_fmt), dy_scale.reciprocal()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if ctx.fp8_weight is not None:
+                w_t = _weight_transpose(ctx.fp8_weight)
+            else:
+                w_t = w_fp8.t().contiguous()
+            dx = fp8_mm(dy_fp8, dy_scale_inv, w_t.t(), w_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_colmajor = x_fp8.t().contiguous().t()  # [T, in], column-major
+            dw = fp8_mm(dy_fp8.t().contiguous(), dy_scale_inv, x_colmajor, x_scale_inv, ctx.w_dtype)
+        return dx, dw, None, None, None, None
+
+
+class _DequantizeWithGrad(torch.autograd.Function):
+    """A Float8Tensor weight as its high-precision value; the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, weight: Float8Tensor) -> torch.Tensor:
+        return weight.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _check_fp8_weight_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in _NOMINAL_DTYPES:
+        raise TypeError(
+            f"fp8shard.nn.Linear(dtype={dtype}) under fp8_model_init: an FP8 weight needs a "
+            f"floating-point nominal dtype (float32, bfloat16 or float16) that its bytes stand "
+            f"for; pass dtype=torch.bfloat16 (or leave dtype=None) -- FP8 storage is implied"
+        )
+
+
+class Linear(torch.nn.Linear):
+    """Drop-in ``torch.nn.Linear`` (same constructor, init and state-dict keys).
+
+    Under ``fp8_autocast`` its three GEMMs run in FP8 ([Note: three GEMMs]); elsewhere it is
+    ``torch.nn.Linear`` (a ``Float8Tensor`` weight is dequantized). Built inside
+    ``fp8_model_init`` its weight is stored as an E4M3 ``Float8Tensor``. Under ``DelayedScaling``
+    the layer keeps its amax history and scales in buffers ``fp8_amax_history`` [len, 3] and
+    ``fp8_scale`` [3] (input, weight, output gradient), created at first use and saved in the
+    state dict; see [Note: amax reduction].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        init_state = current_model_init()
+        if init_state is not None:
+            _check_fp8_weight_dtype(dtype)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._amax_state: AmaxHistory | None = None
+        self._preserve_hp_init = bool(init_state and init_state.preserve_high_precision_init_val)
+        if init_state is not None:
+            self._store_weight_as_fp8()
+
+    # ------------------------------------------------------------------ FP8 weight storage
+    def _store_weight_as_fp8(self) -> None:
+        """Replace the high-precision weight by an E4M3 Float8Tensor scaled from its amax."""
+        hp = self.weight.detach()
+        fp8 = Float8Tensor.quantize(hp, Fp8Format.E4M3)  # first scale from the init amax
+        # Parameter() wraps a detached alias, so the init value is attached to the parameter.
+        self.weight = torch.nn.Parameter(fp8, requires_grad=self.weight.requires_grad)
+        if self._preserve_hp_init and hp.device.type != "meta":
+            self.weight.set_high_precision_init_val(hp)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s init; a Float8Tensor weight is re-quantized from the new hp values."""
+        weight = self.__dict__.get("_parameters", {}).get("weight")
+        if not isinstance(weight, Float8Tensor):
+            super().reset_parameters()
+            return
+        self.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device=weight.device))
+        try:
+            super().reset_parameters()  # the same values nn.Linear would draw
+            hp = self.weight.detach()
+        finally:
+            self.weight = weight
+        with torch.no_grad():
+            weight.quantize_(hp)
+        if self._preserve_hp_init:
+            weight.set_high_precision_init_val(hp)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = current_fp8_state()
+        if state is None:
+            weight = self.weight
+            if isinstance(weight, Float8Tensor):
+                weight = _DequantizeWithGrad.apply(weight)
+            return F.linear(x, weight, self.bias)
+        return self._forward_fp8(x, state)
+
+    def _forward_fp8(self, x: torch.Tensor, state: Fp8State) -> torch.Tensor:
+        recipe = state.recipe
+        scales = history = None
+        if isinstance(recipe, DelayedScaling):
+            self._ensure_delayed_state(recipe)
+            scales, history = self.fp8_scale, self.fp8_amax_history
+            register_pending(self, state.group)
+        fmt = recipe.fp8_format
+        y = _Fp8LinearFn.apply(x, self.weight, fmt.fwd, fmt.bwd, scales, history)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    # ------------------------------------------------------------------ delayed-scaling state
+    def _ensure_delayed_state(self, recipe: DelayedScaling) -> None:
+        if self._amax_state is None or self._amax_state.recipe != recipe:
+            self._init_delayed_state(recipe)
+
+    @torch.compiler.disable
+    def _init_delayed_state(self, recipe: DelayedScaling) -> None:
+        """Create (or adapt to a new recipe) the amax history and scales of the three operands.
+
+        Runs eagerly even inside ``torch.compile`` (one graph break, at the first call only):
+        buffers made inside a graph and written by its backward cannot be compiled.
+        """
+        device = self.weight.device
+        fmt = recipe.fp8_format
+        fmt_max = torch.tensor([fmt.fwd.max, fmt.fwd.max, fmt.bwd.max], device=device)
+        state = AmaxHistory(3, recipe, fmt_max, device=device)
+        old_hist = getattr(self, "fp8_amax_history", None)
+        if old_hist is not None and old_hist.shape == state.history.shape:
+            state.history, state.scale = old_hist, self.fp8_scale  # loaded or same-length recipe
+        else:
+            if old_hist is not None:
+                state.scale.copy_(self.fp8_scale)  # a new window length keeps the scales only
+            self.register_buffer("fp8_amax_history", state.history)
+            self.register_buffer("fp8_scale", state.scale)
+        self._amax_state = state
+
+    def update_fp8_scales(self) -> None:
+        """New scales from the (already reduced) amax window, then roll it ([Note: scale])."""
+        state = self._amax_state
+        assert state is not None, "update_fp8_scales before any delayed-scaling forward"
+        # Point the AmaxHistory at the buffers (Module.to() may have replaced them) and write
+        # its results back in place, so tensors captured by a pending backward stay live.
+        state.history, state.scale = self.fp8_amax_history, self.fp8_scale
+        state.fmt_max = state.fmt_max.to(state.history.device)
+        state.update()
+        self.fp8_amax_history.copy_(state.history)
+        self.fp8_scale.copy_(state.scale)
+        state.history, state.scale = self.fp8_amax_history, self.fp8_scale
+
+    # ------------------------------------------------------------------ state dict
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        self._check_loaded_weight_shape(state_dict.get(prefix + "weight"))
+        hist = state_dict.get(prefix + "fp8_amax_history")
+        mine = getattr(self, "fp8_amax_history", None)
+        if hist is not None and (mine is None or mine.shape != hist.shape):
+            # Make room for the saved delayed-scaling state; the recipe is matched at first use.
+            self.register_buffer("fp8_amax_history", torch.zeros(hist.shape, device=self.weight.device))
+            self.register_buffer("fp8_scale", torch.ones(3, device=self.weight.device))
+            self._amax_state = None
+        elif hist is None and getattr(self, "fp8_amax_history", None) is not None:
+            # Amaxes of other weights would give bogus scales (TransformerEngine 567): start over.
+            del self.fp8_amax_history, self.fp8_scale
+            self._amax_state = None
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _check_loaded_weight_shape(self, weight: torch.Tensor | None) -> None:
+        if weight is None or tuple(weight.shape) == tuple(self.weight.shape):
+            return
+        kind = "FP8 (Float8Tensor)" if isinstance(weight, Float8Tensor) else "high-precision"
+        raise ValueError(
+            f"cannot load a {kind} weight of shape {tuple(weight.shape)} into fp8shard.nn.Linear("
+            f"in_features={self.in_features}, out_features={self.out_features}) whose weight is "
+            f"{tuple(self.weight.shape)} [out_features, in_features]: build the layer as Linear("
+            f"{weight.shape[-1]}, {weight.shape[0]}) or load the matching checkpoint"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8_weight={isinstance(self.weight, Float8Tensor)}"

@@ -1,0 +1,128 @@
+"""Delayed scaling: the amax history rolls and the scales update as [Note: scale] says, and the
+amaxes of all layers are MAX-reduced over the group in one collective per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fp8shard as fs
+from fp8shard.nn import Linear
+from tests.nn._cases import fwd_bwd
+
+FMT_MAX = torch.tensor([448.0, 448.0, 57344.0])  # input, weight (E4M3), output gradient (E5M2)
+
+
+def _with_amax(shape: tuple[int, ...], amax: float, gen: torch.Generator) -> torch.Tensor:
+    """Random values in (-amax/2, amax/2) plus one entry of exactly -amax: amax(x) == amax."""
+    x = (torch.rand(shape, generator=gen) - 0.5) * amax
+    x.view(-1)[7] = -amax
+    return x
+
+
+def _expected_after_update(completed: list[list[float]], length: int) -> torch.Tensor:
+    """The history after an update: row 0 free, then the newest ``length - 1`` steps, oldest first."""
+    rows = [[0.0, 0.0, 0.0]] * length + completed
+    return torch.tensor([[0.0, 0.0, 0.0], *rows[len(rows) - length + 1:]])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_history_rolls_and_scales_update_as_specified(algo):
+    length, margin = 3, 1
+    recipe = fs.DelayedScaling(margin=margin, amax_history_len=length, amax_compute_algo=algo)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layer = Linear(16, 32, bias=False)
+    w_amax = layer.weight.detach().abs().max().item()
+    x_amaxes, dy_amaxes = [1.0, 6.0, 2.0, 0.5, 3.0], [1e-3, 4e-4, 8e-3, 1e-3, 2e-4]
+    completed: list[list[float]] = []
+    expected_scale = torch.ones(3)
+    for xa, ga in zip(x_amaxes, dy_amaxes, strict=True):
+        x, dy = _with_amax((8, 16), xa, gen), _with_amax((8, 32), ga, gen)
+        y = fwd_bwd(layer, x, dy, recipe)[0]
+        # this step cast with the scales of the previous update ...
+        assert torch.equal(layer.fp8_scale, expected_scale.float())
+        xq = fs.Float8Tensor.quantize(x, scale=layer.fp8_scale[0]).dequantize()
+        wq = fs.Float8Tensor.quantize(layer.weight.detach(), scale=layer.fp8_scale[1]).dequantize()
+        torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-5)
+        # ... and recorded its own amaxes in the free row 0
+        pending = [xa, w_amax, ga]
+        torch.testing.assert_close(layer.fp8_amax_history[0], torch.tensor(pending), rtol=0, atol=0)
+        assert fs.nn.reduce_and_update_amaxes() == 1
+        window = torch.tensor([*completed[-(length - 1):], pending])  # the rows the update sees
+        amax = window.amax(dim=0) if algo == "max" else window[-1]
+        expected_scale = FMT_MAX / amax / 2**margin
+        completed.append(pending)
+        assert torch.equal(layer.fp8_scale, expected_scale.float())
+        torch.testing.assert_close(layer.fp8_amax_history, _expected_after_update(completed, length),
+                                   rtol=0, atol=0)
+    if algo == "max":  # the 6.0 of step 2 left the window after step 4
+        assert layer.fp8_scale[0] == 448.0 / 3.0 / 2
+
+
+def test_layers_update_only_at_the_next_autocast_entry():
+    torch.manual_seed(0)
+    layer = Linear(16, 16)
+    recipe = fs.DelayedScaling(amax_history_len=4)
+    fwd_bwd(layer, torch.randn(4, 16), torch.randn(4, 16), recipe)
+    assert torch.equal(layer.fp8_scale, torch.ones(3))  # not yet: backward amaxes came last
+    with fs.fp8_autocast(recipe=recipe):
+        assert not torch.equal(layer.fp8_scale, torch.ones(3))
+        assert torch.equal(layer.fp8_amax_history[0], torch.zeros(3))
+        with fs.fp8_autocast(recipe=recipe):  # nested: no second update
+            assert fs.nn.autocast._pending == {}
+
+
+def _step(model: torch.nn.Sequential, x: torch.Tensor, dy: torch.Tensor, recipe: object) -> None:
+    with fs.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
+        y = model(x)
+    y.backward(dy)
+
+
+def _amax_reduction_worker(steps: int) -> dict:
+    rank = dist.get_rank()
+    fs.nn.reduce_and_update_amaxes()  # nothing left over from an earlier task in this worker
+    torch.manual_seed(0)  # the same weights on every rank
+    model = torch.nn.Sequential(Linear(32, 64), torch.nn.ReLU(), Linear(64, 48), Linear(48, 16))
+    layers = [m for m in model if isinstance(m, Linear)]
+    recipe = fs.DelayedScaling(amax_history_len=8)
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        per_step = []
+        for _ in range(steps):
+            before = len(calls)
+            x = torch.randn(8, 32, generator=gen) * (1 + 3 * rank)
+            _step(model, x, torch.randn(8, 16, generator=gen) * (1 + rank), recipe)
+            per_step.append(len(calls) - before)
+        local = torch.stack([m.fp8_amax_history[0].clone() for m in layers])
+        fs.nn.reduce_and_update_amaxes()  # the last step's amaxes, reduced: history[-1]
+        reduced = torch.stack([m.fp8_amax_history[-1].clone() for m in layers])
+    finally:
+        dist.all_reduce = original
+    scales = torch.stack([m.fp8_scale.clone() for m in layers])
+    return {"per_step": per_step, "numels": calls, "local": local, "reduced": reduced,
+            "scales": scales}
+
+
+def test_amaxes_are_reduced_in_one_all_reduce_per_step(dist_pools):
+    steps = 3
+    results = dist_pools(2).run(_amax_reduction_worker, steps)
+    for r in results:
+        # step 1 has nothing to reduce; then one packed call per step, 3 layers x 3 operands
+        assert r["per_step"] == [0] + [1] * (steps - 1)
+        assert r["numels"] == [9] * steps
+    local = torch.stack([r["local"] for r in results])  # [rank, layer, operand]
+    assert not torch.equal(local[0], local[1])  # the ranks really saw different data
+    expected = local.amax(dim=0)
+    for r in results:
+        assert torch.equal(r["reduced"], expected)
+        assert torch.equal(r["scales"], results[0]["scales"])  # every rank: the same scales
