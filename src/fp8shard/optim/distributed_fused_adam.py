@@ -1,0 +1,440 @@
+"""``DistributedFusedAdam``: ZeRO-style sharded AdamW whose FP8 weights are gathered as FP8 bytes.
+
+One step, top to bottom (the data flow of docs/design.md, section 1):
+
+    wait gradient reduce-scatters  -> fp32 gradient shard        (hooks started them in backward)
+    check finite (+ clip)          -> one small all-reduce        (skip the step on inf/NaN)
+    Adam(W) on the fp32 master shard
+    amax per FP8 parameter         -> ONE packed all-reduce(MAX) -> scales  [Note: weight scaling]
+    cast my shard into the parameter bytes (FP8 as uint8, others in their dtype)
+    launch the in-place all-gathers of every bucket, and wait (or let forward pre-hooks wait)
+
+The pieces live in their own modules: layout (pure arithmetic), buffers (the tensors), hooks
+(gradient and forward hooks), collectives (the only torch.distributed caller), adam (the math),
+fp8_weights (amax, scale, cast) and state_dict (model-space checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8shard.fp8 import DelayedScaling, Float8Tensor
+from fp8shard.optim.adam import adam_
+from fp8shard.optim.buffers import RegionBuffers, storage_dtype
+from fp8shard.optim.collectives import CommCounter, Group
+from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
+from fp8shard.optim.hooks import GradSync, ParamSync
+from fp8shard.optim.layout import ParamSpec, build_layout
+from fp8shard.optim.state_dict import (
+    full_states,
+    load_full_states,
+    load_sharded_states,
+    sharded_states,
+)
+
+_HPARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+class DistributedFusedAdam(torch.optim.Optimizer):
+    """AdamW (or Adam + L2) with FP32 master weights and states sharded over a process group.
+
+    Use it on a plain ``nn.Module`` (no DDP): gradient hooks average gradients over the group.
+    Parameters become views of the optimizer's bucket buffers at construction (same Parameter
+    objects; a Float8Tensor keeps its wrapper and ``_scale_inv``, its ``_data`` is re-pointed).
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; param groups may override
+            lr, betas, eps and weight_decay (e.g. no decay for norms and biases).
+        adam_w_mode: True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam).
+        process_group: the data-parallel group (default: the world; none initialized: one process).
+        bucket_cap_mb: bucket size in MiB of ``grad_sync_dtype`` gradients.
+        alignment: parameters start, and shards split, at multiples of this many elements.
+        grad_sync_dtype: dtype of the gradient buffers and of the reduce-scatter (bf16 default).
+        state_dtype: dtype of exp_avg/exp_avg_sq (fp32 default; bf16 halves their memory).
+        overlap_grad_sync: start each bucket's reduce-scatter as soon as its gradients are in.
+        overlap_param_sync: let ``step()`` return with the all-gathers in flight; forward
+            pre-hooks (``module=`` or ``register_module``) wait for each module's buckets.
+        fp8_weight_scaling: 'current' (scale from this step's global amax) or 'delayed'
+            (Transformer Engine's amax history, configured by ``delayed_scaling``).
+        module: the model, to register forward pre-hooks for ``overlap_param_sync``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        adam_w_mode: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        alignment: int = 16,
+        grad_sync_dtype: torch.dtype = torch.bfloat16,
+        state_dtype: torch.dtype = torch.float32,
+        overlap_grad_sync: bool = True,
+        overlap_param_sync: bool = False,
+        fp8_weight_scaling: ScalingMode = "current",
+        delayed_scaling: DelayedScaling | None = None,
+        module: nn.Module | None = None,
+    ) -> None:
+        self._frozen = False
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._frozen = True
+        self.adam_w_mode = adam_w_mode
+        self.overlap_param_sync = overlap_param_sync
+        self.last_step_skipped = False
+        self._step = 0
+        self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self.device = _check_params(self._params)
+        self._comm = CommCounter()
+        self._last_comm: dict[str, int] = {}
+        self.group = Group(process_group, self._comm)
+        _check_backend(self.group, self.device)
+        self.regions = self._build_regions(bucket_cap_mb, alignment, grad_sync_dtype, state_dtype)
+        fp8 = {i: p for i, p in enumerate(self._params) if isinstance(p, Float8Tensor)}
+        self.fp8 = Fp8WeightScaler(fp8, fp8_weight_scaling, delayed_scaling, self.device)
+        self._new_scale_inv = torch.zeros(self.fp8.num_slots, device=self.device)
+        self._init_master_and_attach()
+        params_by_index = dict(enumerate(self._params))
+        self.grad_sync = GradSync(self.regions, params_by_index, self.group, overlap_grad_sync)
+        self.param_sync = ParamSync(self.regions, self.group, self._on_param_ready)
+        self._runs = self._adam_runs()
+        self._grads: list[torch.Tensor] | None = None  # fp32 grad shards of this step
+        self._stats: tuple[torch.Tensor, bool] | None = None  # (global sum of squares, non-finite)
+        if module is not None:
+            self.register_module(module)
+
+    # ================================================================== construction
+    def _build_regions(self, bucket_cap_mb: float, alignment: int, grad_dtype: torch.dtype,
+                       state_dtype: torch.dtype) -> list[RegionBuffers]:
+        if not grad_dtype.is_floating_point or not state_dtype.is_floating_point:
+            raise ValueError(f"grad_sync_dtype and state_dtype must be floating point, got "
+                             f"{grad_dtype} and {state_dtype}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        # Backward visits parameters roughly in reverse registration order: [Note: shard layout].
+        order = reversed(list(enumerate(self._params)))
+        specs = [ParamSpec(i, p.numel(), storage_dtype(p)) for i, p in order]
+        elem = torch.empty(0, dtype=grad_dtype).element_size()
+        layouts = build_layout(specs, self.group.world_size, int(bucket_cap_mb * 2**20 / elem), alignment)
+        return [RegionBuffers(lay, self.group.rank, self.device, grad_dtype, state_dtype) for lay in layouts]
+
+    def _init_master_and_attach(self) -> None:
+        hp: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(self._params):
+            if isinstance(p, Float8Tensor):
+                # Start the master from the preserved init value, not the FP8 bytes (TE 1121).
+                init = p.get_high_precision_init_val()
+                value = init if init is not None else p.dequantize(torch.float32)
+                p.clear_high_precision_init_val()
+            else:
+                value = p.detach()
+            hp[i] = value.to(self.device, torch.float32).reshape(-1)
+        params_by_index = dict(enumerate(self._params))
+        for rb in self.regions:
+            rb.init_master(hp)
+            rb.attach(params_by_index)
+
+    def _adam_runs(self) -> list[list[tuple[int, int, int]]]:
+        """Per param group: (region, lo, hi) ranges of the local shards that Adam updates.
+
+        Neighbouring pieces of one group merge into one range; what lies between them in the
+        local shard is padding (zero gradient, zero master), which Adam leaves at zero.
+        """
+        group_of = {i: g for g, grp in enumerate(self.param_groups) for i in
+                    (self._index_of[id(p)] for p in grp["params"])}
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in self.param_groups]
+        for ri, rb in enumerate(self.regions):
+            cur: list[int] | None = None  # [group, lo, hi]
+            for pc in sorted(rb.pieces, key=lambda pc: pc.local_offset):
+                g = group_of[pc.param_index]
+                if cur is not None and cur[0] == g:
+                    cur[2] = pc.local_offset + pc.numel
+                    continue
+                if cur is not None:
+                    runs[cur[0]].append((ri, cur[1], cur[2]))
+                cur = [g, pc.local_offset, pc.local_offset + pc.numel]
+            if cur is not None:
+                runs[cur[0]].append((ri, cur[1], cur[2]))
+        return runs
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_frozen", False):
+            raise RuntimeError(
+                "DistributedFusedAdam lays out its buckets at construction, so add_param_group is "
+                "not supported afterwards; pass every param group to the constructor")
+        super().add_param_group(param_group)
+        _check_hparams(self.param_groups[-1])
+
+    def register_module(self, module: nn.Module) -> None:
+        """Wait for a module's parameter all-gathers in its forward pre-hook (overlap_param_sync)."""
+        if self.param_sync.register_module(module, self._index_of) == 0:
+            raise ValueError("register_module: the module owns none of this optimizer's parameters")
+
+    # ================================================================== the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unchanged()
+        if self.overlap_param_sync and not self.param_sync.modules:
+            raise RuntimeError("overlap_param_sync=True needs forward pre-hooks to wait for the "
+                               "parameters: pass module=model or call opt.register_module(model)")
+        self.param_sync.wait_all()  # the previous step's gathers, if overlap left them in flight
+        grads = self._reduced_grads()  # 1. wait for the reduce-scatters
+        _, nonfinite = self._grad_stats()  # 2. one all-reduce: norm and non-finite count
+        self.last_step_skipped = nonfinite
+        if not nonfinite:
+            self._step += 1
+            self._update_master(grads)  # 3. Adam(W) on the fp32 master shard
+            self._quantize_shards()  # 4. amax all-reduce, scales, cast my shards
+            self.param_sync.launch_all()  # 5. all-gather every bucket in place
+            if not self.overlap_param_sync:
+                self.param_sync.wait_all()
+        self._grads, self._stats = None, None
+        self.grad_sync.reset()  # the buffers are consumed; next backward starts from zero
+        self._last_comm = self._comm.close_window()
+        return loss
+
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        if self._grads is None:
+            self.grad_sync.finish()
+            self._grads = [rb.grad_shard_fp32() for rb in self.regions]
+        return self._grads
+
+    def _grad_stats(self) -> tuple[torch.Tensor, bool]:
+        """(global sum of squares of the averaged gradient, whether it is non-finite).
+
+        One pass and one 4-byte all-reduce: an inf or NaN anywhere makes the sum non-finite on
+        every rank. (A gradient so large that its square overflows fp32, |g| > 1e19, counts as
+        non-finite too.)
+        """
+        if self._stats is None:
+            grads = self._reduced_grads()
+            local = torch.zeros(1, dtype=torch.float32, device=self.device)
+            for g in grads:
+                if g.numel():
+                    local += torch.linalg.vector_norm(g).square()
+            self.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
+            self._stats = (local[0], not bool(torch.isfinite(local[0])))
+        return self._stats
+
+    def _update_master(self, grads: list[torch.Tensor]) -> None:
+        for group, runs in zip(self.param_groups, self._runs, strict=True):
+            if not runs:
+                continue
+            rbs = [(self.regions[ri], grads[ri], slice(lo, hi)) for ri, lo, hi in runs]
+            beta1, beta2 = group["betas"]
+            adam_(
+                [rb.master[s] for rb, _, s in rbs], [g[s] for _, g, s in rbs],
+                [rb.exp_avg[s] for rb, _, s in rbs], [rb.exp_avg_sq[s] for rb, _, s in rbs],
+                step=self._step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled_weight_decay=self.adam_w_mode,
+            )
+
+    def _quantize_shards(self) -> None:
+        """Write this rank's shard of every parameter's bytes from the new master."""
+        scales = self._new_scale_inv
+        if self.fp8.num_slots:
+            amax = self.fp8.local_amax(self.regions)
+            self.group.all_reduce(amax, "max", kind="all_reduce.amax")  # [Note: weight scaling]
+            scales = self.fp8.cast_scales(amax)
+            self._new_scale_inv = scales.reciprocal()
+        for rb in self.regions:
+            if rb.is_fp8:
+                self.fp8.cast_region(rb, scales)
+            else:
+                rb.write_param_shards(rb.master.to(rb.dtype))
+
+    def _on_param_ready(self, index: int) -> None:
+        p = self._params[index]
+        if isinstance(p, Float8Tensor):
+            p._scale_inv.copy_(self._new_scale_inv[self.fp8.slot[index]])
+            p.mark_bytes_changed()  # drops the cached transpose (TE 1596)
+
+    # ================================================================== gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes in here only accumulate into the buckets; the next one outside syncs."""
+        before = self.grad_sync.enabled
+        self.grad_sync.enabled = False
+        try:
+            yield
+        finally:
+            self.grad_sync.enabled = before
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradients so their global L2 norm is at most ``max_norm``.
+
+        Call after backward, before ``step()``. Returns the norm before clipping (as
+        ``torch.nn.utils.clip_grad_norm_`` does); a non-finite norm clips nothing and makes
+        ``step()`` skip.
+        """
+        sumsq, nonfinite = self._grad_stats()
+        total = sumsq.sqrt()
+        if not nonfinite:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(self._reduced_grads(), coef)
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop any accumulated gradients (the bucket buffers) and ``param.grad``."""
+        for p in self._params:
+            p.grad = None
+        if self.grad_sync.dirty or self._grads is not None:
+            self._grads, self._stats = None, None
+            self.grad_sync.reset()
+
+    # ================================================================== parameters in flight
+    def wait_param_sync(self) -> None:
+        """Finish every in-flight parameter all-gather (only needed with overlap_param_sync)."""
+        self.param_sync.wait_all()
+
+    # ================================================================== checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Model-space state: full per-parameter tensors on every rank. [Note: checkpoint space]"""
+        self.param_sync.wait_all()
+        shapes = {i: p.shape for i, p in enumerate(self._params)}
+        state = full_states(self.regions, shapes, self.group)
+        for i in self.fp8.slot:
+            state[i]["fp8"] = self.fp8.state(i)
+        return {"format": "fp8shard.model_space.v1", "step": self._step,
+                "param_groups": self._groups_for_save(), "state": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` written at any world size; the weights come from the model's
+        own checkpoint (``model.load_state_dict``), which writes into the same bytes."""
+        self.param_sync.wait_all()
+        shapes = {i: p.shape for i, p in enumerate(self._params)}
+        load_full_states(self.regions, shapes, state_dict["state"])
+        for i in self.fp8.slot:
+            if "fp8" in state_dict["state"][i]:  # else: keep the scale the weight's bytes came with
+                self.fp8.load_state(i, state_dict["state"][i]["fp8"])
+        self._load_scalars(state_dict)
+
+    def _load_scalars(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the checkpoint's param groups do not match this optimizer's (sizes "
+                             f"{[len(g['params']) for g in saved_groups]} vs "
+                             f"{[len(g['params']) for g in self.param_groups]})")
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
+            _check_hparams(group)
+        self._step = int(state_dict["step"])
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces (views), each with its offset in the flattened global parameter."""
+        return {"format": "fp8shard.sharded.v1", "step": self._step,
+                "param_groups": self._groups_for_save(),
+                "world_size": self.group.world_size, "rank": self.group.rank,
+                "shapes": {i: tuple(p.shape) for i, p in enumerate(self._params)},
+                "state": sharded_states(self.regions),
+                "fp8": {i: self.fp8.state(i) for i in self.fp8.slot}}
+
+    def load_sharded_state_dict(self, sharded: dict[str, Any]) -> None:
+        """Load pieces in the form of ``sharded_state_dict()['state']``, split any way (any world
+        size), as long as they cover what this rank owns; plus step, param groups and ``fp8``."""
+        self.param_sync.wait_all()
+        load_sharded_states(self.regions, sharded["state"])
+        for i, st in sharded.get("fp8", {}).items():
+            self.fp8.load_state(i, st)
+        self._load_scalars(sharded)
+
+    def _groups_for_save(self) -> list[dict[str, Any]]:
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [self._index_of[id(p)] for p in g["params"]]} for g in self.param_groups]
+
+    # ================================================================== accounting
+    def memory_report(self) -> dict[str, int]:
+        """Persistent bytes on this rank by category, and their ``total``.
+
+        Categories: fp8_weights, other_weights, grad_buffers, master, optimizer_states, padding.
+        The total equals the storage size of the optimizer's buffers (the weights included:
+        parameters are views of them).
+        """
+        out = dict.fromkeys(("fp8_weights", "other_weights", "grad_buffers", "master",
+                             "optimizer_states", "padding"), 0)
+        for rb in self.regions:
+            for k, v in rb.nbytes().items():
+                out[k] += v
+        out["total"] = sum(out.values())
+        return out
+
+    def comm_report(self) -> dict[str, int]:
+        """Bytes per collective kind in the last step (from the end of the previous ``step()``,
+        so it includes the gradient reduce-scatters of the backward before it).
+
+        Sizes are full buffers per rank (see fp8shard/optim/collectives.py); a ring moves
+        ``(N - 1) / N`` of them over each rank's link.
+        """
+        return dict(self._last_comm)
+
+    # ================================================================== checks
+    def _check_unchanged(self) -> None:
+        now = [id(p) for g in self.param_groups for p in g["params"]]
+        if now != [id(p) for p in self._params]:
+            raise RuntimeError(
+                "the optimizer's parameter list changed after construction; DistributedFusedAdam "
+                "lays out its buckets once: build a new optimizer for the new parameters")
+        for g in self.param_groups:
+            _check_hparams(g)
+        for rb in self.regions:
+            ptr = rb.param_buffer.untyped_storage().data_ptr()
+            for pr in rb.layout.params:
+                p = self._params[pr.index]
+                data = p._data if isinstance(p, Float8Tensor) else p.data
+                if data.untyped_storage().data_ptr() != ptr:
+                    raise RuntimeError(
+                        f"parameter {pr.index} no longer lives in the optimizer's buffer (its .data "
+                        "was replaced, e.g. by model.to() or load_state_dict(assign=True)); copy "
+                        "values in place (param.copy_) or build the optimizer afterwards")
+
+
+def _check_hparams(group: dict[str, Any]) -> None:
+    lr, (b1, b2), eps, wd = (group[k] for k in _HPARAMS)
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}; check the LR schedule")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not wd >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {wd!r}")
+
+
+def _check_backend(group: Group, device: torch.device) -> None:
+    backend = getattr(group, "backend", None)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"the process group uses NCCL but the parameters are on {device}; move the "
+                         "model to this rank's GPU first, or use a gloo group for CPU training")
+
+
+def _check_params(params: list[torch.Tensor]) -> torch.device:
+    """All parameters trainable, floating point, distinct and on one device; returns it."""
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("a parameter appears twice in the optimizer's param groups; pass each once")
+    for i, p in enumerate(params):
+        if not p.requires_grad:
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has requires_grad=False; "
+                             "leave frozen parameters out of the optimizer")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"parameter {i} has dtype {p.dtype}; only floating-point parameters train")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"parameters are on several devices ({', '.join(devices)}); the optimizer "
+                         "keeps one set of buckets per process: move the model to one device "
+                         "(model.to(device)) before building the optimizer")
+    return params[0].device
