@@ -1,0 +1,405 @@
+"""fp8shard against its peers on one GPT workload, side by side in one run.
+
+    python benchmarks/compare_peers.py [--quick] [--out FILE.json]          # CPU, gloo, 2 ranks
+    python benchmarks/compare_peers.py --gpu [--out FILE.json]              # one CUDA GPU, ~1B GPT
+
+Systems (same model shapes, data, steps and seed):
+  fp8shard-fp8   FP8 compute + FP8 parameters + DistributedFusedAdam
+  fp8shard-bf16  bf16 parameters + DistributedFusedAdam (FP32 master)
+  ddp-adamw      torch DistributedDataParallel + torch.optim.AdamW, fp32 params, bf16 autocast
+  zero-adamw     torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
+  torchao-fsdp2  torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
+                 where the backend allows it (gloo has no float8: off there, said in the output)
+
+Measured by this harness in the same way for every system:
+  step_ms        median wall time of the timed steps (after warm-up)
+  peak_rss_mb    CPU: peak resident memory of the rank (a fresh process per system);
+                 GPU: torch.cuda.max_memory_allocated
+  bytes/param    persistent tensors (params, grads and grad buffers, optimizer states) found by
+                 walking the model and optimizer, each storage counted once, over parameter count
+  wire bytes     per step and rank, by collective, counted by wrapping torch.distributed's
+                 collectives (and a DDP comm hook): the size of the full buffer each call
+                 reduces or gathers (all_reduce: the tensor; all_gather: the output;
+                 reduce_scatter: the input; broadcast: the tensor)
+  loss           mean training loss of the last 3 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2"]
+
+# ----------------------------------------------------------------------------- wire accounting
+
+_COUNTS: dict[str, int] = {}
+_WRAPPED = {
+    "all_reduce": lambda a, k: _first_tensor(a, k, "tensor"),
+    "all_gather_into_tensor": lambda a, k: _first_tensor(a, k, "output_tensor"),
+    "reduce_scatter_tensor": lambda a, k: _nth(a, k, 1, "input"),
+    "broadcast": lambda a, k: _first_tensor(a, k, "tensor"),
+    "all_gather": lambda a, k: _nth(a, k, 1, "tensor"),
+    # torch >= 2.12 names (FSDP2 and fp8shard call these when they exist)
+    "all_gather_single": lambda a, k: _first_tensor(a, k, "output_tensor"),
+    "reduce_scatter_single": lambda a, k: _nth(a, k, 1, "input"),
+}
+
+
+def _first_tensor(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
+    return args[0] if args else kwargs[name]
+
+
+def _nth(args: tuple, kwargs: dict, i: int, name: str) -> torch.Tensor:
+    return args[i] if len(args) > i else kwargs[name]
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    if hasattr(t, "_local_tensor"):
+        t = t._local_tensor
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def count_wire_bytes():
+    """Wrap torch.distributed's collectives; ``_COUNTS[name]`` accumulates full-buffer bytes."""
+    originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            buf = _WRAPPED[name](args, kwargs)
+            if name == "all_gather":  # list output, input tensor: count the output list
+                buf = args[0] if args else kwargs["tensor_list"]
+            _COUNTS[name] = _COUNTS.get(name, 0) + _nbytes(buf)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against GradBucket
+    """DDP's default all-reduce (average), sent through the counted ``dist.all_reduce``."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+# ----------------------------------------------------------------------------- memory accounting
+
+def persistent_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of every distinct storage reachable from params, grads and optimizer state."""
+    from fp8shard import Float8Tensor
+
+    seen: set[tuple[int, int]] = set()
+
+    def storages(t: Any) -> list[torch.Tensor]:
+        if t is None or not isinstance(t, torch.Tensor):
+            return []
+        if hasattr(t, "_local_tensor"):  # DTensor (FSDP2)
+            return storages(t._local_tensor)
+        if isinstance(t, Float8Tensor):
+            return [t.fp8_data, t.scale_inv]
+        if type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
+            return storages(t._tensor)
+        return [t]
+
+    def count(ts: list[torch.Tensor]) -> int:
+        total = 0
+        for x in ts:
+            if x.device.type == "meta":
+                continue
+            s = x.untyped_storage()
+            key = (s.data_ptr(), s.nbytes())
+            if key not in seen and s.nbytes() > 0:
+                seen.add(key)
+                total += s.nbytes()
+        return total
+
+    out = {"weights": 0, "grads": 0, "optimizer": 0}
+    params = list(model.parameters())
+    out["weights"] = count([s for p in params for s in storages(p)])
+    if hasattr(optimizer, "memory_report"):  # fp8shard: buffers the optimizer owns
+        rep = optimizer.memory_report()
+        out["grads"] = int(rep.get("grad_buffers", 0))
+        out["optimizer"] = int(sum(v for k, v in rep.items()
+                                   if k in ("master", "optimizer_states", "exp_avg", "exp_avg_sq")))
+        return out
+    out["grads"] = count([s for p in params for s in storages(p.grad)])
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps one
+    states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    out["optimizer"] = count([s for v in states for s in storages(v)])
+    return out
+
+
+# ----------------------------------------------------------------------------- one system
+
+def _swap_to_torch_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace fp8shard.nn.Linear by torch.nn.Linear with the same values (for the peers)."""
+    import fp8shard.nn as fsnn
+
+    for name, mod in list(model.named_children()):
+        if isinstance(mod, fsnn.Linear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  device=mod.weight.device)
+            with torch.no_grad():
+                lin.weight.copy_(mod.weight)
+                if mod.bias is not None:
+                    lin.bias.copy_(mod.bias)
+            setattr(model, name, lin)
+        else:
+            _swap_to_torch_linear(mod)
+    return model
+
+
+def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
+    """(model, optimizer, forward-context factory, note) for one system."""
+    import fp8shard as fs
+    from fp8shard.models import GPT, GPTConfig
+    from fp8shard.optim import DistributedFusedAdam
+
+    gcfg = GPTConfig(**cfg["model"])
+    lr, note = cfg["lr"], ""
+    torch.manual_seed(cfg["seed"])
+    if system == "fp8shard-fp8":
+        with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
+            model = GPT(gcfg).to(device)
+        model.to(torch.bfloat16)
+        opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
+        recipe = fs.CurrentScaling()
+        return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
+    if system == "fp8shard-bf16":
+        model = GPT(gcfg).to(device).to(torch.bfloat16)
+        opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
+        return model, opt, contextlib.nullcontext, note
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    if system in ("ddp-adamw", "zero-adamw"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = _swap_to_torch_linear(GPT(gcfg)).to(device)
+        # gradient_as_bucket_view: the grads are DDP's buckets, so the walk below counts them
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, _ddp_counting_hook)
+        if system == "ddp-adamw":
+            opt = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                          lr=lr, weight_decay=0.0)
+        return ddp, opt, autocast, note
+    if system == "torchao-fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        fp8_gather = device.type == "cuda"
+        note = ("FP8 all-gather on" if fp8_gather else
+                "FP8 all-gather off: gloo has no float8 dtype; emulated FP8 compute on CPU")
+        model = _swap_to_torch_linear(GPT(gcfg)).to(device)
+        config = Float8LinearConfig(emulate=device.type != "cuda",
+                                    enable_fsdp_float8_all_gather=fp8_gather)
+        convert_to_float8_training(
+            model, config=config,
+            module_filter_fn=lambda m, fqn: "lm_head" not in fqn and "output" not in fqn)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        if fp8_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            opt.register_step_post_hook(lambda *a: precompute_float8_dynamic_scale_for_fsdp(model))
+        return model, opt, contextlib.nullcontext, note
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def _batches(cfg: dict, rank: int, world: int, device: torch.device):
+    """The same global batches for every system; rank r takes rows r::world."""
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    vocab, seq, gb = cfg["model"]["vocab_size"], cfg["seq_len"], cfg["global_batch"]
+    # A learnable stream: token t+1 = (a * token t + noise) mod vocab, so the loss falls.
+    for _ in range(cfg["steps"]):
+        start = torch.randint(0, vocab, (gb, 1), generator=g)
+        flip = (torch.rand(gb, seq, generator=g) < 0.1).long()
+        noise = flip * torch.randint(0, vocab, (gb, seq), generator=g)
+        idx = (start + torch.arange(seq + 1) * 7 + torch.nn.functional.pad(noise, (1, 0))) % vocab
+        idx = idx[rank::world].to(device)
+        yield idx[:, :-1], idx[:, 1:]
+
+
+def run_system(system: str, cfg: dict) -> dict:
+    """Train ``system`` for cfg['steps'] steps on this rank; return its measurements."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["gpu"] else torch.device("cpu")
+    try:
+        model, opt, ctx, note = _build(system, cfg, device)
+    except ImportError as e:
+        return {"system": system, "available": False, "reason": f"not installed: {e}"}
+    n_params = sum(p.numel() for p in model.parameters()) * (world if system == "torchao-fsdp2" else 1)
+    if cfg["gpu"]:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    _COUNTS.clear()
+    with count_wire_bytes():
+        for step, (x, y) in enumerate(_batches(cfg, rank, world, device)):
+            if step == cfg["warmup"]:
+                _COUNTS.clear()
+            if cfg["gpu"]:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with ctx():
+                logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            if step == cfg["steps"] - 1:  # measured while gradients exist
+                mem = persistent_bytes(model, opt)
+            opt.zero_grad(set_to_none=True)
+            if cfg["gpu"]:
+                torch.cuda.synchronize()
+            if step >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+    timed = cfg["steps"] - cfg["warmup"]
+    total_params = n_params
+    if system.startswith("fp8shard") or system == "torchao-fsdp2":
+        total_params = sum(p.numel() for p in model.parameters())
+        if system == "torchao-fsdp2":
+            total_params = sum(p.shape.numel() for p in model.parameters())  # DTensor: global
+    peak = (torch.cuda.max_memory_allocated() if cfg["gpu"]
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    loss_t = torch.tensor(statistics.mean(losses[-3:]), device=device)
+    stored: dict[str, int] = {}  # parameter elements by storage dtype (float8 for FP8 weights)
+    for p in model.parameters():
+        key = "float8" if hasattr(p, "fp8_data") else str(p.dtype).removeprefix("torch.")
+        stored[key] = stored.get(key, 0) + (p.shape.numel() if system == "torchao-fsdp2" else p.numel())
+    return {
+        "system": system, "available": True, "note": note,
+        "step_ms": statistics.median(times) * 1e3,
+        "tokens_per_s": cfg["global_batch"] * cfg["seq_len"] / statistics.median(times),
+        "peak_mem_mb": peak / 2**20,
+        "bytes_per_param": {k: v / total_params for k, v in mem.items()},
+        "bytes_per_param_total": sum(mem.values()) / total_params,
+        "wire_bytes_per_step": {k: v // timed for k, v in sorted(_COUNTS.items())},
+        "loss": float(loss_t),
+        "params": total_params,
+        "param_elems_by_dtype": stored,
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _config(args: argparse.Namespace) -> dict:
+    if args.gpu:
+        model = dict(vocab_size=32768, max_position_embeddings=2048, num_layers=24, hidden_size=2048,
+                     ffn_hidden_size=8192, num_attention_heads=16)
+        return dict(model=model, seq_len=2048, global_batch=8, steps=args.steps or 12, warmup=4,
+                    lr=3e-4, seed=0, gpu=True)
+    size = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256) if args.quick else \
+        dict(num_layers=4, hidden_size=128, ffn_hidden_size=512)
+    model = dict(vocab_size=256, max_position_embeddings=64, num_attention_heads=4, **size)
+    return dict(model=model, seq_len=64, global_batch=8, steps=args.steps or (8 if args.quick else 20),
+                warmup=2 if args.quick else 5, lr=1e-3, seed=0, gpu=False)
+
+
+def _print_table(rows: list[dict], header: str) -> None:
+    print(header)
+    print(f"{'system':<15}{'step ms':>9}{'tok/s':>9}{'peak MB':>9}{'B/param':>9}{'wire B/step':>13}"
+          f"{'loss':>8}  wire by collective / note")
+    for r in rows:
+        if not r.get("available"):
+            print(f"{r['system']:<15}  unavailable: {r['reason']}")
+            continue
+        wire = sum(r["wire_bytes_per_step"].values())
+        detail = ", ".join(f"{k}={v}" for k, v in r["wire_bytes_per_step"].items())
+        print(f"{r['system']:<15}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['peak_mem_mb']:>9.0f}"
+              f"{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}  {detail}"
+              + (f" [{r['note']}]" if r.get("note") else ""))
+
+
+def _run_gpu(cfg: dict, systems: list[str]) -> list[dict]:
+    import tempfile
+
+    store = tempfile.mktemp(prefix="fp8shard_bench_")
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    rows = []
+    for s in systems:
+        try:
+            rows.append(run_system(s, cfg))
+        except Exception as e:  # one failing peer must not hide the others' figures
+            rows.append({"system": s, "available": False, "reason": f"{type(e).__name__}: {e}"})
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    # MFU: 6 * params * tokens/s over the bf16 dense peak measured on the H200 (773 TFLOP/s)
+    for r in rows:
+        if r.get("available"):
+            r["mfu_vs_bf16_peak"] = 6 * r["params"] * r["tokens_per_s"] / 773e12
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smallest size (a few minutes on 2 cores)")
+    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU, ~1B-parameter GPT")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    cfg = _config(args)
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if args.gpu:
+        rows = _run_gpu(cfg, systems)
+        world = 1
+    else:
+        from fp8shard.testing import DistPool
+
+        world, rows = 2, []
+        for s in systems:  # a fresh pool per system, so peak RSS belongs to that system alone
+            with DistPool(world, backend="gloo") as pool:
+                try:
+                    rows.append(pool.run(run_system, s, cfg)[0])
+                except RuntimeError as e:
+                    rows.append({"system": s, "available": False, "reason": str(e).splitlines()[-1]})
+    machine = torch.cuda.get_device_name() if args.gpu else f"{platform.machine()} CPU x{os.cpu_count()}"
+    header = (f"compare_peers: world size {world} ({'nccl' if args.gpu else 'gloo'}), {machine}, "
+              f"torch {torch.__version__}, {cfg['steps']} steps ({cfg['warmup']} warm-up), "
+              f"GPT {cfg['model']['num_layers']}x{cfg['model']['hidden_size']}, seq {cfg['seq_len']}, "
+              f"global batch {cfg['global_batch']}")
+    _print_table(rows, header)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"header": header, "config": cfg, "world_size": world, "rows": rows,
+                       "python": sys.version.split()[0]}, f, indent=1)
+    ok = all(r.get("available") or "not installed" in r.get("reason", "") for r in rows)
+    return 0 if ok and all(math.isfinite(r.get("loss", 0.0)) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

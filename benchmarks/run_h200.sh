@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything this project proves on the lent H200, in one call of the device tool:
+#   run(command="bash benchmarks/run_h200.sh PART", carry=[".whl"])
+# PART: tests | micro | train | peers | all. Logs and JSON land in $OUT (or ./h200_out).
+set -uo pipefail
+OUT="${OUT:-$PWD/h200_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # torchao, carried as a wheel (no network there)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+part="${1:-all}"
+py=python3
+run() { echo "+ $*"; "$@"; echo "rc=$?"; }
+
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  run $py -m pytest -p no:cacheprovider -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  # the CPU suite's distributed tests at world size 1 use NCCL there
+  run $py -m pytest -p no:cacheprovider -q -x tests/optim -k "world_size1 or ws1 or 1-" 2>&1 | tail -5
+fi
+if [ "$part" = micro ] || [ "$part" = all ]; then
+  run $py benchmarks/bench_quantize.py --out "$OUT/bench_quantize.json" 2>&1 | tail -15
+  run $py benchmarks/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tail -20
+  run $py benchmarks/bench_optim.py --gpu --out "$OUT/bench_optim_gpu.json" 2>&1 | tail -15
+fi
+if [ "$part" = peers ] || [ "$part" = all ]; then
+  run $py benchmarks/compare_peers.py --gpu --out "$OUT/compare_peers_gpu.json" 2>&1 | tail -15
+fi

@@ -1,0 +1,80 @@
+"""benchmarks/compare_peers.py at its smallest size: every system runs, the JSON has the promised
+fields, and the wire bytes agree with the arithmetic of docs/design.md section 4."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW_KEYS = {"system", "available", "step_ms", "tokens_per_s", "peak_mem_mb", "bytes_per_param",
+            "bytes_per_param_total", "wire_bytes_per_step", "loss", "params", "param_elems_by_dtype"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("peers") / "peers.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_peers.py"), "--quick",
+                           "--steps", "5", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "system" in proc.stdout and "fp8shard-fp8" in proc.stdout  # the table is printed
+    return json.loads(out.read_text())
+
+
+def _rows(result):
+    return {r["system"]: r for r in result["rows"]}
+
+
+def test_every_system_ran_or_says_why(result):
+    rows = _rows(result)
+    assert set(rows) == {"fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2"}
+    for name, r in rows.items():
+        if not r["available"]:
+            assert name == "torchao-fsdp2" and "not installed" in r["reason"]
+            continue
+        assert ROW_KEYS <= set(r), f"{name} misses {ROW_KEYS - set(r)}"
+        assert r["step_ms"] > 0 and r["loss"] > 0 and r["params"] > 0
+    if rows["torchao-fsdp2"]["available"]:
+        assert "gloo has no float8" in rows["torchao-fsdp2"]["note"]
+
+
+def test_ddp_all_reduces_four_bytes_per_parameter(result):
+    r = _rows(result)["ddp-adamw"]
+    assert r["wire_bytes_per_step"] == {"all_reduce": 4 * r["params"]}
+
+
+def _gather_and_scatter(r):
+    wire = r["wire_bytes_per_step"]
+    gather = sum(v for k, v in wire.items() if k.startswith("all_gather"))
+    scatter = sum(v for k, v in wire.items() if k.startswith("reduce_scatter"))
+    return gather, scatter
+
+
+@pytest.mark.parametrize("system", ["fp8shard-fp8", "fp8shard-bf16"])
+def test_fp8shard_wire_bytes_match_design_table(result, system):
+    r = _rows(result)[system]
+    elems = r["param_elems_by_dtype"]
+    gather, scatter = _gather_and_scatter(r)
+    # all-gather: 1 byte per FP8 weight element, the parameter's own size otherwise (+ padding)
+    size = {"float8": 1, "bfloat16": 2, "float32": 4}
+    expected_gather = sum(size[k] * n for k, n in elems.items())
+    assert expected_gather <= gather <= 1.10 * expected_gather
+    # reduce-scatter: bf16 gradients, 2 bytes per element (+ padding)
+    assert 2 * r["params"] <= scatter <= 1.10 * 2 * r["params"]
+    if system == "fp8shard-fp8":
+        assert elems["float8"] > 0.5 * r["params"]
+        bf16_gather, _ = _gather_and_scatter(_rows(result)["fp8shard-bf16"])
+        assert gather < 0.7 * bf16_gather  # FP8 weights halve the gathered bytes of the matrices
+
+
+def test_memory_per_parameter_is_ordered_as_the_design_says(result):
+    rows = _rows(result)
+    fp8 = rows["fp8shard-fp8"]["bytes_per_param_total"]
+    bf16 = rows["fp8shard-bf16"]["bytes_per_param_total"]
+    ddp = rows["ddp-adamw"]["bytes_per_param_total"]
+    assert fp8 < bf16 < ddp
+    assert ddp == pytest.approx(16.0, rel=1e-3)  # fp32 weight, grad, m, v (+ AdamW step scalars)
