@@ -167,10 +167,12 @@ def test_fallback_is_reported_once(monkeypatch, recwarn):
     from fp8shard.fp8 import gemm
 
     monkeypatch.setattr(gemm, "_reported", set())
+    monkeypatch.setattr(gemm, "_FP8_CAPABLE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     for _ in range(3):
         assert gemm.choose_gemm_path("cuda", 0, 16, 32, 48) == "emulated"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(gemm, "_FP8_CAPABLE", {})
     assert gemm.choose_gemm_path("cuda", 0, 16, 32, 48) == "scaled_mm"
     for _ in range(3):
         assert gemm.choose_gemm_path("cuda", 0, 8, 32, 48) == "padded"
@@ -251,5 +253,8 @@ def test_misaligned_dims_are_padded_on_cuda_and_match_emulation():
     padded = fwd_bwd(layer, x, dy, fs.CurrentScaling())
     with force_gemm_path("emulated"):
         emulated = fwd_bwd(layer, x, dy, fs.CurrentScaling())
+    # Same FP8 inputs; cuBLAS's FP8 kernel sums in its own order and scales inside the kernel,
+    # so the two agree to fp32-accumulation rounding of these small sums, not bit for bit
+    # (seen on the H200: at most 1.5e-4 absolute, 9e-4 relative).
     for a, b in zip(padded, emulated, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=5e-4)

@@ -51,21 +51,33 @@ def force_gemm_path(path: str | None) -> Iterator[None]:
 
 
 def _report_once(reason: str, message: str) -> None:
-    if reason in _reported:
+    if reason in _reported or torch.compiler.is_compiling():
         return
     _reported.add(reason)
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-@torch.compiler.assume_constant_result
+_FP8_CAPABLE: dict[int, bool] = {}
+
+
+def _cuda_fp8_capable(device_index: int) -> bool:
+    # Cached, so that under torch.compile this is a dict read (a guard), not a driver query.
+    if device_index not in _FP8_CAPABLE:
+        _FP8_CAPABLE[device_index] = torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return _FP8_CAPABLE[device_index]
+
+
 def choose_gemm_path(device_type: str, device_index: int, m: int, k: int, n: int) -> str:
-    """The path that serves an ``[m, k] x [k, n]`` FP8 product on this device (see module doc)."""
+    """The path that serves an ``[m, k] x [k, n]`` FP8 product on this device (see module doc).
+
+    Plain Python on the dims: under ``torch.compile`` the branch becomes a shape guard.
+    """
     if _forced_path is not None:
         return _forced_path
     if device_type == "cpu":
         return "scaled_mm"
-    if device_type == "cuda" and torch.cuda.get_device_capability(device_index) >= (8, 9):
+    if device_type == "cuda" and _cuda_fp8_capable(device_index):
         if m % _ALIGN == 0 and k % _ALIGN == 0 and n % _ALIGN == 0:
             return "scaled_mm"
         _report_once(
