@@ -17,13 +17,11 @@ run() { echo "+ $*"; "$@"; echo "rc=$?"; }
 
 if [ "$part" = tests ] || [ "$part" = all ]; then
   run $py -m pytest -p no:cacheprovider -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-  # the CPU suite's distributed tests at world size 1 use NCCL there
-  run $py -m pytest -p no:cacheprovider -q -x tests/optim -k "world_size1 or ws1 or 1-" 2>&1 | tail -5
 fi
 if [ "$part" = micro ] || [ "$part" = all ]; then
   run $py benchmarks/bench_quantize.py --out "$OUT/bench_quantize.json" 2>&1 | tail -15
   run $py benchmarks/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tail -20
-  run $py benchmarks/bench_optim.py --gpu --out "$OUT/bench_optim_gpu.json" 2>&1 | tail -15
+  run $py benchmarks/bench_optim.py --gpu --params-m 256 --out "$OUT/bench_optim_gpu.json" 2>&1 | tail -15
 fi
 if [ "$part" = peers ] || [ "$part" = all ]; then
   run $py benchmarks/compare_peers.py --gpu --out "$OUT/compare_peers_gpu.json" 2>&1 | tail -15
