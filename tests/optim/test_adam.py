@@ -63,3 +63,20 @@ def test_step_must_count_from_one():
     with pytest.raises(ValueError, match="step"):
         adam_([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], step=0,
               lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_fused_kernel_agrees_with_the_reference_path(decoupled):
+    torch.manual_seed(0)
+    p0, m0, v0 = torch.randn(1000), torch.zeros(1000), torch.zeros(1000)
+    runs = {}
+    for fused in (False, True):
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        for step in range(1, 4):
+            g = torch.randn(1000, generator=torch.Generator().manual_seed(step))
+            adam_([p], [g], [m], [v], step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.1, decoupled_weight_decay=decoupled, fused=fused)
+        runs[fused] = (p, m, v)
+    for a, b in zip(runs[False], runs[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(runs[True][0], p0)

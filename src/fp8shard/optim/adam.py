@@ -30,16 +30,28 @@ def adam_(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool = True,
+    fused: bool | None = None,
 ) -> None:
     """One Adam(W) update in place on fp32 ``params`` (``step`` counts from 1).
 
     ``grads`` are fp32 and are not modified. ``exp_avgs``/``exp_avg_sqs`` may be fp32 or a
     16-bit dtype; 16-bit states are updated in fp32 and rounded back once per step.
+    ``fused`` (default: on CUDA with fp32 states) runs PyTorch's fused Adam(W) kernel, one pass
+    over params, grads and states instead of about ten; it agrees with the reference formulas
+    to rounding, not bit for bit, so the CPU default stays on the reference path.
     """
     if not params:
         return
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
+    if fused is None:
+        fused = params[0].is_cuda and exp_avgs[0].dtype == torch.float32
+    if fused:
+        kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        steps = [torch.tensor(float(step), device=params[0].device) for _ in params]
+        kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
     if weight_decay != 0:
         if decoupled_weight_decay:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
