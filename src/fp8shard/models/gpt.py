@@ -1,0 +1,260 @@
+"""A decoder-only transformer in the Megatron/GPT style.
+
+Fused QKV projection, ``scaled_dot_product_attention`` with a causal mask, pre-norm blocks
+(LayerNorm or RMSNorm), a GELU or SwiGLU MLP, learned or rotary positions, optional tied
+embeddings and Megatron's scaled init (output projections of each block use
+``std / sqrt(2 * num_layers)``).
+
+The four projections of every block are :class:`fp8shard.nn.Linear`; embeddings, norms and
+the output layer are plain torch modules. This file holds no FP8 or distributed logic: what
+those Linears compute in is decided by the caller (``fp8_autocast``, ``fp8_model_init``).
+
+Large models are built the nanochat way::
+
+    with torch.device("meta"):
+        model = GPT(config)          # shapes only, no memory
+    model.to_empty(device="cuda")    # allocate
+    model.init_weights()             # initialize
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8shard.nn import Linear
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Shape and flavour of the model. Names follow NeMo's megatron_gpt_config.yaml."""
+
+    vocab_size: int = 256
+    """Number of token ids (embedding rows)."""
+    max_position_embeddings: int = 128
+    """Longest sequence the model accepts (learned position table size, rotary cache length)."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    ffn_hidden_size: int = 512
+    """Inner width of the MLP (per branch for SwiGLU)."""
+    num_attention_heads: int = 4
+    """Attention heads; hidden_size must be divisible by it."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Pre-norm flavour."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP non-linearity; swiglu uses a fused (gate, up) projection of 2 x ffn_hidden_size."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute position table or rotary embeddings on q and k."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the token embedding."""
+    bias: bool = True
+    """Biases in the projections and norms."""
+    init_method_std: float = 0.02
+    """Std of the normal init; block output projections use std / sqrt(2 * num_layers)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the norms."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (no bias)."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); cos/sin: (T, D/2). Rotate the two halves of the head dim.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    y = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a fused QKV projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.bias)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, t, c = x.shape
+        h, d = self.cfg.num_attention_heads, self.cfg.head_dim
+        # (B, T, 3C) -> 3 x (B, H, T, D)
+        q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        if rotary is not None:
+            q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+        p = self.cfg.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU with one fused (gate, up) projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        inner = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
+        self.fc1 = Linear(cfg.hidden_size, inner, bias=cfg.bias)
+        self.fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = _norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), rotary))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(idx, targets=None)`` -> logits, or the mean loss."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = (
+            nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            if cfg.position_embedding_type == "learned_absolute" else None
+        )
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = _norm(cfg)
+        self.output = (
+            None if cfg.share_embeddings_and_output_weights
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        # Rotary tables are derived, not learned: non-persistent buffers, (T, D/2) fp32.
+        n = cfg.max_position_embeddings
+        half = cfg.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(n, half, dtype=torch.float32), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(n, half, dtype=torch.float32), persistent=False)
+        if self.wte.weight.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter and buffer (call after ``to_empty`` for meta-built models).
+
+        Normal(0, std) for embeddings and projections; block output projections (attn.proj,
+        mlp.fc2) use std / sqrt(2 * num_layers); biases 0; norm gains 1.
+        """
+        cfg = self.config
+        std = cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * cfg.num_layers)
+        nn.init.normal_(self.wte.weight, std=std)
+        if self.wpe is not None:
+            nn.init.normal_(self.wpe.weight, std=std)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=std)
+        for block in self.blocks:
+            for lin, s in ((block.attn.qkv, std), (block.attn.proj, out_std),
+                           (block.mlp.fc1, std), (block.mlp.fc2, out_std)):
+                nn.init.normal_(lin.weight, std=s)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+        for m in self.modules():
+            if isinstance(m, (nn.LayerNorm, RMSNorm)):
+                m.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the derived (non-persistent) buffers: the rotary cos/sin tables."""
+        cfg = self.config
+        dev = self.rope_cos.device
+        inv_freq = cfg.rotary_base ** (-torch.arange(0, cfg.head_dim, 2, device=dev).float() / cfg.head_dim)
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings, device=dev).float(), inv_freq)
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def linear_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight) of the block projections, the ones that may live in FP8."""
+        return [(n, p) for n, p in self.named_parameters()
+                if n.startswith("blocks.") and n.endswith("weight") and p.dim() == 2]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy with targets."""
+        cfg = self.config
+        t = idx.shape[1]
+        if t > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {t} tokens is longer than max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        x = self.wte(idx)
+        rotary = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        else:
+            rotary = (self.rope_cos[:t], self.rope_sin[:t])
+        for block in self.blocks:
+            x = block(x, rotary)
+        x = self.final_norm(x)
+        w_out = self.wte.weight if self.output is None else self.output.weight
+        logits = F.linear(x, w_out)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

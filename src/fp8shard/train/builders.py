@@ -1,0 +1,172 @@
+"""Build what a run trains: the GPT (FP8 weights or not), the optimizer, the FP8 recipe.
+
+All FP8 and distributed decisions of the training command live here, so the model file stays
+plain. [Note: FP8 init] says how FP8 weights get their initial values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import fp8shard as fs
+from fp8shard.fp8 import Float8Tensor
+from fp8shard.models import GPT, GPTConfig
+from fp8shard.train.config import Config
+from fp8shard.train.distributed import DistEnv
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    """The dtype of the non-FP8 parameters; see ``model.params_dtype``."""
+    name = cfg.model.params_dtype
+    if name == "auto":
+        zero = cfg.model.optim.name == "distributed_fused_adam" and cfg.trainer.precision == "bf16-mixed"
+        name = "bf16" if zero else "fp32"
+    return _DTYPES[name]
+
+
+def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, normalization=m.normalization,
+        activation=m.activation, position_embedding_type=m.position_embedding_type,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights, bias=m.bias,
+        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
+    """The GPT, initialized from ``model.seed`` identically on every rank.
+
+    [Note: FP8 init]
+        The high-precision model is built on the meta device, materialized and initialized in
+        fp32 (nanochat's three steps). With ``fp8_params`` a second GPT is built on the meta
+        device inside ``fp8_model_init`` and materialized; every FP8 weight is then quantized
+        from the fp32 init value (its first scale comes from that value's amax) and keeps that
+        value as its high-precision init value, from which DistributedFusedAdam starts its FP32
+        master (TransformerEngine 1121); the other parameters are copied.
+        So a run with FP8 weights and one without start from the same initial values.
+    """
+    gcfg = gpt_config(cfg, vocab_size)
+    torch.manual_seed(cfg.model.seed)
+    with torch.device("meta"):
+        hp = GPT(gcfg)  # shapes only
+    hp.to_empty(device=device)  # allocate
+    hp.init_weights()  # initialize (fp32)
+    dtype = params_dtype(cfg)
+    if not cfg.model.fp8_params:
+        for p in hp.parameters():
+            p.data = p.data.to(dtype)
+        return hp
+    with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True), \
+            torch.device("meta"), _default_dtype(dtype):
+        model = GPT(gcfg)  # shapes only; the projection weights are Float8Tensors
+    model.to_empty(device=device)  # allocate
+    model.init_buffers()  # derived buffers; the parameters come from ``hp`` right below
+    with torch.no_grad():
+        for (name, p), (hp_name, src) in zip(model.named_parameters(), hp.named_parameters(), strict=True):
+            assert name == hp_name, (name, hp_name)
+            if isinstance(p, Float8Tensor):
+                p.quantize_(src)
+                p.set_high_precision_init_val(src)
+            else:
+                p.copy_(src)
+    return model
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (projections, embeddings), none on biases and norm gains."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[torch.optim.Optimizer, nn.Module]:
+    """(optimizer, the module to call forward on): DistributedFusedAdam on the bare model, or
+    torch AdamW on the model wrapped in DDP when there are several ranks."""
+    o = cfg.model.optim
+    groups = param_groups(model, o.weight_decay)
+    betas = (o.betas[0], o.betas[1])
+    if o.name == "distributed_fused_adam":
+        from fp8shard.optim import DistributedFusedAdam
+
+        opt = DistributedFusedAdam(
+            groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay,
+            process_group=env.group, bucket_cap_mb=o.bucket_cap_mb,
+            grad_sync_dtype=_DTYPES[o.grad_sync_dtype], overlap_grad_sync=o.overlap_grad_sync,
+            state_dtype=_DTYPES[o.state_dtype], overlap_param_sync=o.overlap_param_sync,
+            module=model if o.overlap_param_sync else None,
+        )
+        return opt, model
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    if env.world_size == 1:
+        return opt, model
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[env.device] if env.device.type == "cuda" else None,
+        bucket_cap_mb=o.bucket_cap_mb, gradient_as_bucket_view=True,
+    )
+    return opt, ddp
+
+
+def build_recipe(cfg: Config) -> fs.DelayedScaling | fs.CurrentScaling:
+    m = cfg.model
+    fmt = fs.RecipeFormat.HYBRID if m.fp8_hybrid else fs.RecipeFormat.E4M3
+    if m.fp8_recipe == "current":
+        return fs.CurrentScaling(fp8_format=fmt)
+    return fs.DelayedScaling(margin=m.fp8_margin, fp8_format=fmt, amax_history_len=m.fp8_amax_history_len,
+                             amax_compute_algo=m.fp8_amax_compute_algo)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor's elements take (FP8 bytes for a Float8Tensor)."""
+    if isinstance(t, Float8Tensor):
+        return t.numel() * t.fp8_data.element_size()
+    return t.numel() * t.element_size()
+
+
+def memory_by_category(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
+    """Persistent bytes on this rank: weights, grads, master, optimizer_states (, padding).
+
+    DistributedFusedAdam reports its buffers itself; for torch AdamW the figures are summed
+    from the tensors: weights = the parameters (fp32 in the baseline, which are also the
+    master copy, so master = 0), grads = ``param.grad`` (DDP's bucket views), optimizer states
+    = AdamW's ``exp_avg``/``exp_avg_sq``/``step``. Call after a step, before ``zero_grad``.
+    """
+    report = getattr(opt, "memory_report", None)
+    if report is not None:
+        r = report()
+        return {"weights": r.get("fp8_weights", 0) + r.get("other_weights", 0),
+                "grads": r.get("grad_buffers", 0), "master": r.get("master", 0),
+                "optimizer_states": r.get("optimizer_states", 0), "padding": r.get("padding", 0)}
+    params = list(model.parameters())
+    states = sum(tensor_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return {"weights": sum(tensor_bytes(p) for p in params),
+            "grads": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+            "master": 0, "optimizer_states": states, "padding": 0}
+
+
+def count_fp8_linears(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if isinstance(m, fs.nn.Linear))

@@ -1,0 +1,481 @@
+"""The training configuration: dataclasses (one docstring per field), YAML and overrides.
+
+Sources, later ones win: the dataclass schema's defaults, ``defaults.yaml`` next to this file,
+an optional preset (``config=PATH`` or ``--config PATH``, a YAML holding only the keys it
+changes), then ``key=value`` overrides in NeMo/Hydra syntax (``model.optim.lr=3e-4``; values are
+read as YAML, so ``model.optim.betas=[0.9,0.95]`` works). Key names follow NeMo's
+``megatron_gpt_config.yaml`` wherever one exists.
+
+Every problem -- an unknown key, a wrong type, a value outside its choices, an impossible
+combination -- raises :class:`ConfigError` whose message names the key and what is valid; the
+command prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import itertools
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+PRESETS_DIR = Path(__file__).with_name("presets")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; its message is meant for the user, without a traceback."""
+
+
+# ---------------------------------------------------------------------------- the schema
+@dataclasses.dataclass
+class TrainerConfig:
+    """How long to train and on what."""
+
+    devices: int | Literal["auto"] = "auto"
+    """Processes (ranks): 'auto' takes what the launcher gave; an int must equal torchrun's
+    --nproc-per-node."""
+    accelerator: Literal["cpu", "gpu", "auto"] = "auto"
+    """cpu (gloo), gpu (one CUDA device per rank, NCCL) or auto (gpu when CUDA is available)."""
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    val_check_interval: int = 100
+    """Validate every this many steps (and always after the last step)."""
+    limit_val_batches: int = 4
+    """Validation uses this many global batches of held-out windows (the same set at any world size)."""
+    log_every_n_steps: int = 10
+    """Write a metrics.jsonl record and a progress line every this many steps."""
+    gradient_clip_val: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
+    """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
+    resume: bool | str = False
+    """Reserved for the checkpoint issue: false, auto (the run directory's latest checkpoint) or a
+    checkpoint path."""
+
+
+@dataclasses.dataclass
+class SchedConfig:
+    """Learning-rate schedule: linear warmup, then cosine decay to min_lr at max_steps."""
+
+    name: Literal["CosineAnnealing", "constant"] = "CosineAnnealing"
+    """CosineAnnealing (warmup + cosine) or constant (warmup, then flat)."""
+    warmup_steps: int = 30
+    """Steps of linear warmup to model.optim.lr (cut to trainer.max_steps in shorter runs)."""
+    min_lr: float = 1.0e-4
+    """Learning rate reached at the end of the schedule."""
+    max_steps: int = 0
+    """Length of the schedule in steps (cosine reaches min_lr there); 0: trainer.max_steps. Set it
+    to stop a run early on the same schedule."""
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """The optimizer."""
+
+    name: Literal["distributed_fused_adam", "adamw"] = "distributed_fused_adam"
+    """distributed_fused_adam (fp8shard's ZeRO optimizer) or adamw (torch AdamW + DDP, the baseline)."""
+    lr: float = 3.0e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms or position tables)."""
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    """Adam's (beta1, beta2)."""
+    eps: float = 1.0e-8
+    """Adam's epsilon."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size (distributed_fused_adam buckets; DDP's bucket_cap_mb for adamw)."""
+    overlap_grad_sync: bool = True
+    """distributed_fused_adam: start gradient reduce-scatters during backward."""
+    grad_sync_dtype: Literal["bf16", "fp32"] = "bf16"
+    """distributed_fused_adam: dtype of the gradient reduce-scatter."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """distributed_fused_adam: dtype of the Adam moments (bf16 halves their memory)."""
+    overlap_param_sync: bool = False
+    """distributed_fused_adam: step() returns with the parameter all-gathers in flight; each
+    module's forward waits for its own."""
+    sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
+    """Learning-rate schedule."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The GPT, its batch shape and its FP8 settings."""
+
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x world size
+    (the factor left over is gradient accumulation)."""
+    encoder_seq_length: int = 128
+    """Tokens per training sequence."""
+    max_position_embeddings: int = 0
+    """Position table length; 0 means encoder_seq_length."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    ffn_hidden_size: int = 512
+    """Inner width of the MLP."""
+    num_attention_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Pre-norm flavour."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP non-linearity."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute positions or rotary embeddings."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the token embedding."""
+    bias: bool = True
+    """Biases in projections and norms."""
+    init_method_std: float = 0.02
+    """Std of the normal init (block output projections: std / sqrt(2 num_layers))."""
+    hidden_dropout: float = 0.0
+    """Dropout on residual branches."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """dtype of the non-FP8 model parameters; auto: bf16 with distributed_fused_adam + bf16-mixed
+    (the optimizer keeps fp32 masters), else fp32."""
+    fp8: bool = True
+    """Run the block projections' GEMMs in FP8 (fp8_autocast)."""
+    fp8_params: bool = True
+    """Store the block projection weights as FP8 parameters (fp8_model_init); needs fp8 and
+    distributed_fused_adam."""
+    fp8_hybrid: bool = True
+    """HYBRID recipe: E4M3 forward, E5M2 gradients; false: E4M3 everywhere."""
+    fp8_recipe: Literal["delayed", "current"] = "delayed"
+    """Activation scaling: delayed (amax history, Transformer Engine's) or current (per-tensor amax
+    of each cast)."""
+    fp8_margin: int = 0
+    """Delayed scaling: scale = fmt.max / amax / 2**margin."""
+    fp8_amax_history_len: int = 16
+    """Delayed scaling: amaxes kept per tensor."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """Delayed scaling: reduce the history by its max or take the newest."""
+    seed: int = 1234
+    """Seed of the model init and of dropout (the data has its own, data.seed)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The optimizer."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: Literal["markov", "text", "tokens"] = "markov"
+    """markov: a generated corpus with a known entropy floor; text: a UTF-8 file (bytes, or a
+    tokenizers JSON); tokens: a pre-tokenized binary file."""
+    path: str | None = None
+    """text: the text file; tokens: the .bin file of token ids."""
+    tokenizer: str | None = None
+    """text: a Hugging Face `tokenizers` JSON file; null means byte-level tokens (vocab 256)."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens: element type of the file."""
+    vocab_size: int = 256
+    """markov: alphabet size; tokens: the vocabulary size (0: max token id + 1)."""
+    markov_order: int = 2
+    """markov: how many previous tokens the next token depends on."""
+    markov_classes: int = 4
+    """markov: number of next-token offset distributions the older context chooses between."""
+    markov_spread: int = 2
+    """markov: the next token is succ(previous) shifted by an offset in [-spread, spread]."""
+    markov_concentration: float = 0.3
+    """markov: Dirichlet concentration of the offset distributions (lower: lower entropy floor)."""
+    num_train_tokens: int = 2000000
+    """markov: tokens generated for training."""
+    num_val_tokens: int = 100000
+    """markov: tokens generated for validation (an independent stream)."""
+    val_fraction: float = 0.05
+    """text/tokens: the last this fraction of the tokens is held out for validation."""
+    seed: int = 1234
+    """Seed of the generated corpus and of the order of the training windows."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Checkpointing (reserved; implemented by the checkpoint issue)."""
+
+    every_n_steps: int = 0
+    """Save every this many steps; 0: never."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+
+
+@dataclasses.dataclass
+class ExpManagerConfig:
+    """Where the run directory goes: exp_dir/name."""
+
+    exp_dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str = "gpt"
+    """Run name; the run directory is exp_dir/name (overwritten files if it exists)."""
+    plots: bool = True
+    """Draw the report's PNG plots into the run directory at the end (needs matplotlib)."""
+
+
+@dataclasses.dataclass
+class Config:
+    """The whole training job."""
+
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    """How long to train and on what."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The GPT, its batch shape, FP8 settings and optimizer."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Where the tokens come from."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpointing (reserved)."""
+    exp_manager: ExpManagerConfig = dataclasses.field(default_factory=ExpManagerConfig)
+    """The run directory."""
+
+
+# ---------------------------------------------------------------------------- introspection
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, type, doc) of every leaf key, in schema order."""
+    out: list[tuple[str, Any, str]] = []
+    docs, hints = field_docs(cls), _hints(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(iter_keys(tp, key + "."))
+        else:
+            out.append((key, tp, docs.get(f.name, "")))
+    return out
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------------------- coercion
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` as type ``tp``, or a ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        for c in choices:
+            if text == str(c):
+                return c
+        raise ConfigError(f"{key}: {text!r} is not one of: {', '.join(map(str, choices))}")
+    if origin in (Union, types.UnionType):
+        errors = []
+        for alt in typing.get_args(tp):
+            try:
+                return _coerce(value, alt, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None or value == "null":
+            return None
+        raise ConfigError(f"{key}: expected null, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list like [0.9, 0.95], got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"unsupported config type {tp!r} for {key}")  # a schema bug, not a user error
+
+
+def _unknown_key(key: str, part: str, cls: type, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(part, names, n=1)
+    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+    where = prefix.rstrip(".") or "the top level"
+    return ConfigError(f"unknown key '{key}'.{hint} Valid keys in {where}: {', '.join(names)}")
+
+
+def _set(obj: Any, key: str, value: Any) -> None:
+    """Set dotted ``key`` on the dataclass tree ``obj``, coercing ``value`` to the field type."""
+    parts = key.split(".")
+    prefix = ""
+    for i, part in enumerate(parts):
+        cls = type(obj)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise _unknown_key(key, part, cls, prefix)
+        tp = _hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                if isinstance(value, dict):
+                    for k, v in value.items():
+                        _set(getattr(obj, part), str(k), v)
+                    return
+                raise ConfigError(f"'{key}' is a section, not a value; set its keys, e.g. "
+                                  f"{key}.{dataclasses.fields(tp)[0].name}=...")
+            obj = getattr(obj, part)
+            prefix += part + "."
+        elif not last:
+            raise ConfigError(f"'{prefix}{part}' is a value, not a section (in '{key}')")
+        else:
+            setattr(obj, part, _coerce(value, tp, key))
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def apply_yaml(cfg: Config, path: str | Path) -> None:
+    """Apply the keys of a YAML file (nested mappings) onto ``cfg``."""
+    p = Path(path)
+    if not p.exists() and not p.suffix and (PRESETS_DIR / f"{p}.yaml").exists():
+        p = PRESETS_DIR / f"{p}.yaml"  # config=gpt_125m names a shipped preset
+    if not p.exists():
+        presets = ", ".join(sorted(x.stem for x in PRESETS_DIR.glob("*.yaml")))
+        raise ConfigError(f"config: no such file {str(path)!r} (shipped presets: {presets})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {p} must hold a mapping of sections, got {type(data).__name__}")
+    for key, value in _flatten(data):
+        _set(cfg, key, value)
+
+
+def parse_value(text: str) -> Any:
+    """An override's value, read as YAML (``true``, ``3``, ``[0.9,0.95]``, ``null``)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """argv -> (preset paths, [(key, raw value)]). Accepts ``--config P``/``config=P``."""
+    presets: list[str] = []
+    overrides: list[tuple[str, str]] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--config", "-c"):
+            nxt = next(it, None)
+            if nxt is None:
+                raise ConfigError("--config needs a path, e.g. --config presets/gpt_125m.yaml")
+            presets.append(nxt)
+        elif arg.startswith("--config="):
+            presets.append(arg.split("=", 1)[1])
+        elif "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            key = key.lstrip("+")
+            if key == "config":
+                presets.append(value)
+            else:
+                overrides.append((key, value))
+        else:
+            raise ConfigError(f"bad argument {arg!r}: expected key=value (e.g. model.fp8=true), "
+                              f"config=PATH, or --help")
+    return presets, overrides
+
+
+def load_config(argv: list[str], world_size: int | None = None, validate_cfg: bool = True) -> Config:
+    """defaults.yaml, then presets, then overrides; validated for ``world_size`` ranks."""
+    cfg = Config()
+    apply_yaml(cfg, DEFAULTS_PATH)
+    presets, overrides = split_args(argv)
+    for p in presets:
+        apply_yaml(cfg, p)
+    for key, raw in overrides:
+        if not key:
+            raise ConfigError(f"bad override '={raw}': the key is empty")
+        _set(cfg, key, parse_value(raw))
+    if validate_cfg:
+        from fp8shard.train.validate import validate
+
+        validate(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def help_text() -> str:
+    """What ``python -m fp8shard.train --help`` prints: usage and every key with its doc."""
+    defaults = Config()
+    apply_yaml(defaults, DEFAULTS_PATH)
+    lines = [
+        "usage: python -m fp8shard.train [config=PRESET.yaml] [key=value ...]",
+        "       torchrun --nproc-per-node N -m fp8shard.train [key=value ...]",
+        "",
+        "Trains a GPT; writes exp_manager.exp_dir/exp_manager.name/{config.yaml, metrics.jsonl,",
+        "summary.json, plots/}. Values are YAML: model.fp8=false model.optim.betas=[0.9,0.95].",
+        f"Presets shipped: {', '.join(sorted(p.stem for p in PRESETS_DIR.glob('*.yaml')))} "
+        "(config=gpt_125m).",
+        "",
+        "keys (default) -- meaning:",
+    ]
+    flat = dict(_flatten(to_dict(defaults)))
+    for key, tp, doc in iter_keys():
+        value = yaml.safe_dump(flat[key], default_flow_style=True).strip().removesuffix("...").strip()
+        lines.append(f"  {key}={value}  [{type_name(tp)}]")
+        lines.append(f"      {doc}")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""What a run records: metrics.jsonl, summary.json, the progress line, memory and comm figures.
+
+[Note: comm bytes]
+    Bytes per collective are the size of the collective's full buffer on one rank (the input of
+    a reduce-scatter, the gathered output of an all-gather, the tensor of an all-reduce): the
+    convention of ``DistributedFusedAdam.comm_report()``. For adamw + DDP the figures are
+    counted the same way: DDP all-reduces every gradient once per optimizer step, so
+    ``all_reduce.grads`` = the gradient bytes. ``wire_bytes_per_step`` converts to what a ring
+    algorithm sends from each rank: (N-1)/N of a reduce-scatter or all-gather buffer and
+    2(N-1)/N of an all-reduce buffer. One process sends nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MEMORY_CATEGORIES = ("weights", "grads", "master", "optimizer_states", "padding")
+
+
+def wire_bytes(comm: dict[str, int], world_size: int) -> dict[str, float]:
+    """Bytes each rank sends per collective kind under a ring algorithm; see [Note: comm bytes]."""
+    if world_size <= 1:
+        return dict.fromkeys(comm, 0.0)
+    f = (world_size - 1) / world_size
+    return {k: v * (2 * f if k.startswith("all_reduce") else f) for k, v in comm.items()}
+
+
+def bytes_per_param(memory: dict[str, int], num_params: int) -> dict[str, float]:
+    return {k: round(v / num_params, 4) for k, v in memory.items()}
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, what was measured): CUDA max allocated, or this process's max RSS on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "cpu_max_rss"
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _fmt_rate(r: float) -> str:
+    return f"{r / 1e6:.2f}M" if r >= 1e6 else f"{r / 1e3:.1f}k"
+
+
+class RunRecorder:
+    """Writes the run directory's files; only rank 0 writes or prints (``enabled``)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, max_steps: int) -> None:
+        self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
+        self.start = time.perf_counter()
+        self._file = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = (run_dir / "metrics.jsonl").open("w")
+
+    def write_config(self, text: str) -> None:
+        if self.enabled:
+            (self.run_dir / "config.yaml").write_text(text)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one JSON object to metrics.jsonl (flushed, so a crashed run keeps its lines)."""
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / step * (self.max_steps - step) if step else float("nan")
+        width = 20
+        done = int(width * step / self.max_steps)
+        bar = "#" * done + "." * (width - done)
+        print(f"[{bar}] step {step:>5}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+              f"{_fmt_rate(tokens_per_s)} tok/s | elapsed {_fmt_time(elapsed)} | ETA {_fmt_time(eta)}"
+              f"{extra}", flush=True)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        path = self.run_dir / "summary.json"
+        if self.enabled:
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+        return path
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A few lines for the terminal at the end of a run."""
+    lines = [f"run: {s['run_dir']}  ({s['world_size']} rank(s) on {s['device']}, optimizer "
+             f"{s['optimizer']}, fp8={s['fp8']['fp8']} fp8_params={s['fp8']['fp8_params']})"]
+    floor = s.get("entropy_floor")
+    val = s.get("val_loss")
+    text = f"final train loss {s['final_train_loss']:.4f}, validation loss {val:.4f}"
+    if floor is not None:
+        text += f", entropy floor {floor:.4f} (gap {val - floor:+.4f} nats, {100 * (val / floor - 1):.1f}%)"
+    lines.append(text)
+    lines.append(f"throughput {s['tokens_per_s']:.0f} tokens/s; peak memory "
+                 f"{s['peak_memory_bytes'] / 2**20:.0f} MiB ({s['peak_memory_kind']}); "
+                 f"{s['num_params']:,} parameters")
+    bpp = s["bytes_per_param"]
+    per_cat = ", ".join(f"{k} {bpp[k]:.2f}" for k in MEMORY_CATEGORIES if k in bpp)
+    lines.append(f"bytes/param per rank: {per_cat}")
+    comm = s["comm_bytes_per_step"]
+    if comm:
+        lines.append("comm bytes/step per rank: " + ", ".join(f"{k} {v:,}" for k, v in sorted(comm.items())))
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Cross-key checks of a training config: impossible combinations and out-of-range values.
+
+Each check raises :class:`ConfigError` with a message naming the key(s) and what would be
+valid. Types and choices were already checked while the config was read (config.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fp8shard.train.config import Config, ConfigError
+
+
+def _positive(cfg: Config) -> None:
+    for key, value in [
+        ("trainer.max_steps", cfg.trainer.max_steps),
+        ("trainer.val_check_interval", cfg.trainer.val_check_interval),
+        ("trainer.limit_val_batches", cfg.trainer.limit_val_batches),
+        ("trainer.log_every_n_steps", cfg.trainer.log_every_n_steps),
+        ("model.micro_batch_size", cfg.model.micro_batch_size),
+        ("model.global_batch_size", cfg.model.global_batch_size),
+        ("model.num_layers", cfg.model.num_layers),
+        ("model.hidden_size", cfg.model.hidden_size),
+        ("model.ffn_hidden_size", cfg.model.ffn_hidden_size),
+        ("model.num_attention_heads", cfg.model.num_attention_heads),
+        ("model.fp8_amax_history_len", cfg.model.fp8_amax_history_len),
+        ("model.optim.lr", cfg.model.optim.lr),
+        ("model.optim.eps", cfg.model.optim.eps),
+        ("model.optim.bucket_cap_mb", cfg.model.optim.bucket_cap_mb),
+        ("model.init_method_std", cfg.model.init_method_std),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+    ]:
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    for key, value in [
+        ("trainer.gradient_clip_val", cfg.trainer.gradient_clip_val),
+        ("model.optim.weight_decay", cfg.model.optim.weight_decay),
+        ("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps),
+        ("model.optim.sched.min_lr", cfg.model.optim.sched.min_lr),
+        ("model.optim.sched.max_steps", cfg.model.optim.sched.max_steps),
+        ("model.fp8_margin", cfg.model.fp8_margin),
+        ("model.max_position_embeddings", cfg.model.max_position_embeddings),
+        ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, value in [("model.hidden_dropout", cfg.model.hidden_dropout),
+                       ("model.attention_dropout", cfg.model.attention_dropout)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+
+
+def _devices(cfg: Config, world_size: int) -> None:
+    t = cfg.trainer
+    if t.devices != "auto" and t.devices != world_size:
+        how = ("launch with torchrun --nproc-per-node " + str(t.devices)) if t.devices > 1 else \
+              "launch without torchrun or set trainer.devices=auto"
+        raise ConfigError(f"trainer.devices={t.devices} but {world_size} process(es) were launched: {how}")
+    if t.accelerator == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=gpu but CUDA is not available here; "
+                              "valid choices: cpu, auto (or run on a GPU machine)")
+        if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size)):
+            raise ConfigError(f"trainer.accelerator=gpu needs one GPU per rank: {world_size} ranks, "
+                              f"{torch.cuda.device_count()} GPU(s)")
+
+
+def _batch(cfg: Config, world_size: int) -> None:
+    m = cfg.model
+    per_step = m.micro_batch_size * world_size
+    if m.global_batch_size % per_step:
+        raise ConfigError(
+            f"model.global_batch_size ({m.global_batch_size}) must be divisible by "
+            f"model.micro_batch_size ({m.micro_batch_size}) x world size ({world_size}) = {per_step}"
+        )
+    if m.encoder_seq_length < 2:
+        raise ConfigError(f"model.encoder_seq_length must be >= 2, got {m.encoder_seq_length}")
+    if m.max_position_embeddings and m.max_position_embeddings < m.encoder_seq_length:
+        raise ConfigError(
+            f"model.max_position_embeddings ({m.max_position_embeddings}) must be 0 or >= "
+            f"model.encoder_seq_length ({m.encoder_seq_length})"
+        )
+
+
+def _shape(cfg: Config) -> None:
+    m = cfg.model
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                          f"model.num_attention_heads ({m.num_attention_heads})")
+    if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError("model.position_embedding_type=rope needs an even head dim "
+                          "(model.hidden_size / model.num_attention_heads)")
+
+
+def _fp8(cfg: Config) -> None:
+    m = cfg.model
+    if m.fp8_params and not m.fp8:
+        raise ConfigError("model.fp8_params=true needs model.fp8=true (FP8 weights are only used by "
+                          "FP8 GEMMs); set model.fp8=true or model.fp8_params=false")
+    if m.fp8_params and m.optim.name != "distributed_fused_adam":
+        raise ConfigError("model.fp8_params=true needs model.optim.name=distributed_fused_adam (it keeps "
+                          "the FP32 master weights); valid with adamw: model.fp8_params=false")
+
+
+def _optim(cfg: Config) -> None:
+    o = cfg.model.optim
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"model.optim.betas must be two numbers in [0, 1), got {o.betas}")
+    if o.sched.min_lr > o.lr:
+        raise ConfigError(f"model.optim.sched.min_lr ({o.sched.min_lr}) must be <= model.optim.lr ({o.lr})")
+
+
+def _data(cfg: Config) -> None:
+    d = cfg.data
+    if d.source in ("text", "tokens"):
+        if not d.path:
+            raise ConfigError(f"data.source={d.source} needs data.path (the file to read)")
+        if not os.path.isfile(d.path):
+            raise ConfigError(f"data.path: no such file {d.path!r}")
+    if d.tokenizer is not None:
+        if d.source != "text":
+            raise ConfigError("data.tokenizer is only used with data.source=text")
+        if not os.path.isfile(d.tokenizer):
+            raise ConfigError(f"data.tokenizer: no such file {d.tokenizer!r}")
+    if d.source == "markov":
+        if d.vocab_size < 2:
+            raise ConfigError(f"data.vocab_size must be >= 2 for data.source=markov, got {d.vocab_size}")
+        for key, value in (("data.markov_order", d.markov_order), ("data.markov_classes", d.markov_classes)):
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value}")
+        if not 0 <= 2 * d.markov_spread + 1 <= d.vocab_size:
+            raise ConfigError(f"data.markov_spread must be in [0, (data.vocab_size - 1) / 2], "
+                              f"got {d.markov_spread}")
+        if d.markov_concentration <= 0:
+            raise ConfigError(f"data.markov_concentration must be > 0, got {d.markov_concentration}")
+        need = (cfg.model.encoder_seq_length + 1) * 2
+        if d.num_train_tokens < need or d.num_val_tokens < need:
+            raise ConfigError(f"data.num_train_tokens and data.num_val_tokens must be >= {need} "
+                              f"(two sequences of model.encoder_seq_length + 1)")
+    if d.vocab_size < 0:
+        raise ConfigError(f"data.vocab_size must be >= 0, got {d.vocab_size}")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+
+
+def _reserved(cfg: Config) -> None:
+    if cfg.trainer.resume is not False:
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume}: resuming is not implemented yet "
+                          "(checkpoint issue); valid: trainer.resume=false")
+    if cfg.checkpoint.every_n_steps:
+        raise ConfigError("checkpoint.every_n_steps: checkpointing is not implemented yet "
+                          "(checkpoint issue); valid: checkpoint.every_n_steps=0")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError for the first problem found in ``cfg`` run on ``world_size`` ranks."""
+    _positive(cfg)
+    _devices(cfg, world_size)
+    _batch(cfg, world_size)
+    _shape(cfg)
+    _fp8(cfg)
+    _optim(cfg)
+    _data(cfg)
+    _reserved(cfg)
