@@ -23,6 +23,19 @@ if [ "$part" = micro ] || [ "$part" = all ]; then
   run $py benchmarks/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tail -20
   run $py benchmarks/bench_optim.py --gpu --params-m 256 --out "$OUT/bench_optim_gpu.json" 2>&1 | tail -15
 fi
+if [ "$part" = train ] || [ "$part" = all ]; then
+  # The 125M preset on one GPU: FP8 params + DistributedFusedAdam vs bf16 (ours) vs bf16 AdamW.
+  steps="${TRAIN_STEPS:-200}"
+  for v in "fp8 " "bf16 model.fp8=false model.fp8_params=false" \
+           "adamw model.fp8=false model.fp8_params=false model.optim.name=adamw"; do
+    set -- $v; name=$1; shift
+    run $py -m fp8shard.train config=gpt_125m trainer.accelerator=gpu trainer.max_steps=$steps \
+      exp_manager.exp_dir="$OUT/runs" exp_manager.name=gpt125m_$name "$@" 2>&1 | tail -9
+  done
+  run $py -m fp8shard.report "$OUT/runs/gpt125m_fp8" "$OUT/runs/gpt125m_bf16" "$OUT/runs/gpt125m_adamw" \
+    --out "$OUT/runs/plots" 2>&1 | tail -3
+  for n in fp8 bf16 adamw; do cp "$OUT/runs/gpt125m_$n/summary.json" "$OUT/summary_125m_$n.json"; done
+fi
 if [ "$part" = peers ] || [ "$part" = all ]; then
   run $py benchmarks/compare_peers.py --gpu --out "$OUT/compare_peers_gpu.json" 2>&1 | tail -15
 fi
