@@ -22,8 +22,6 @@ import argparse
 import contextlib
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,30 +29,14 @@ import torch
 
 import fp8shard as fs
 from fp8shard.testing import sqnr_db
+from timing import median_seconds
 
 VARIANTS = ["bf16", "fp8 current", "fp8 delayed", "fp8 params", "torchao"]
 
 
 def _time(step: Callable[[], None], device: str, warmup: int, reps: int) -> float:
     """Median seconds of ``step`` after ``warmup`` untimed calls (which include compilation)."""
-    for _ in range(warmup):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(step, device, warmup, reps)
 
 
 def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callable[[], Any]]:

@@ -41,6 +41,7 @@ from torch import nn
 
 from fp8shard.fp8 import Float8Tensor
 from fp8shard.optim import DistributedFusedAdam
+from timing import median_seconds
 
 CPU_VARIANTS = ["dfa fp8", "dfa bf16", "ddp adamw", "zero adamw"]
 
@@ -184,18 +185,7 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
 
 # ============================================================================ GPU, one device
 def _cuda_time(fn: Callable[[], None], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, "cuda", warmup, reps)
 
 
 def _gpu_params(n: int, weights: str) -> list[nn.Parameter]:

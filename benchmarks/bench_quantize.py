@@ -13,32 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 
 import fp8shard as fs
+from timing import median_seconds
 
 
 def _time(fn, device: str, reps: int) -> float:
     """Median seconds of ``fn``."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, device, warmup=3, reps=reps)
 
 
 def main() -> None:
