@@ -128,9 +128,10 @@ BAD = [
     (["data.source=markov", "data.tokenizer=tok.json"], 1,
      "data.tokenizer is only used with data.source=text"),
     (["data.markov_spread=200"], 1, "data.markov_spread must be in"),
-    (["trainer.resume=true"], 1, "trainer.resume=True: resuming is not implemented yet"),
-    (["trainer.resume=auto"], 1, "trainer.resume=auto: resuming is not implemented yet"),
-    (["checkpoint.every_n_steps=10"], 1, "checkpoint.every_n_steps: checkpointing is not implemented yet"),
+    (["trainer.resume=/no/such/ckpt"], 1,
+     "trainer.resume: '/no/such/ckpt' is neither auto, never, nor an existing checkpoint directory"),
+    (["trainer.max_steps=10", "model.optim.sched.max_steps=5"], 1,
+     r"model.optim.sched.max_steps \(5\) must be 0 or >= trainer.max_steps \(10\)"),
     (["config=no_such_preset"], 1, r"config: no such file 'no_such_preset' \(shipped presets: gpt_125m"),
 ]
 

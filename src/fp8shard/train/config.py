@@ -56,9 +56,10 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
     """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
-    resume: bool | str = False
-    """Reserved for the checkpoint issue: false, auto (the run directory's latest checkpoint) or a
-    checkpoint path."""
+    resume: bool | str = "auto"
+    """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
+    never (or false): start fresh (refused when the run directory holds checkpoints); or a
+    checkpoint path (or a directory holding checkpoints) to start from."""
 
 
 @dataclasses.dataclass
@@ -202,12 +203,12 @@ class DataConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """Checkpointing (reserved; implemented by the checkpoint issue)."""
+    """Sharded checkpoints (torch.distributed.checkpoint) in <run dir>/checkpoints; docs/checkpoint.md."""
 
     every_n_steps: int = 0
-    """Save every this many steps; 0: never."""
+    """Save every this many steps and after the last step; 0: never."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints."""
+    """Keep this many most recent complete checkpoints (older ones are deleted after each save)."""
 
 
 @dataclasses.dataclass
@@ -233,7 +234,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Where the tokens come from."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    """Checkpointing (reserved)."""
+    """Sharded checkpoints."""
     exp_manager: ExpManagerConfig = dataclasses.field(default_factory=ExpManagerConfig)
     """The run directory."""
 

@@ -7,6 +7,14 @@ One optimizer step reads top to bottom:
         forward under bf16 autocast (+ fp8_autocast), backward of loss / accumulation steps
         (all but the last micro-batch under no_sync: gradients only accumulate)
     clip the global gradient norm, optimizer step, zero the gradients
+    every checkpoint.every_n_steps steps (and after the last): a sharded checkpoint
+
+Checkpoints ([Note: checkpoint space], docs/checkpoint.md) hold, besides the model and optimizer,
+everything that makes a resumed run the same run: the data position (consumed samples), the LR
+schedule (a function of the step and ``model.optim.sched.max_steps``), every rank's RNG states,
+the partial loss window of the log and the skipped-step count. Validation leaves the training
+state untouched (see ``_delayed_scaling_untouched``), so the validation a run stopped early
+does at its last step changes nothing.
 """
 
 from __future__ import annotations
@@ -18,9 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fp8shard as fs
+from fp8shard.checkpoint import (
+    CheckpointError,
+    CheckpointFormatError,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from fp8shard.train.builders import (
     build_model,
     build_optimizer,
@@ -29,7 +47,7 @@ from fp8shard.train.builders import (
     memory_by_category,
     params_dtype,
 )
-from fp8shard.train.config import Config, to_yaml
+from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
 from fp8shard.train.data import BatchLoader, TokenData, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
@@ -53,6 +71,45 @@ def lr_at(cfg: Config, step: int) -> float:
     return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+@contextlib.contextmanager
+def _delayed_scaling_untouched(model: nn.Module) -> Any:
+    """Run evaluation forwards without moving the FP8 layers' delayed-scaling state.
+
+    The training step's amaxes still pending ([Note: amax reduction]) are folded in first, as
+    the next training forward would; the state is then saved, and restored after the block
+    (the amaxes the evaluation recorded are reduced and dropped).
+    """
+    fs.nn.reduce_and_update_amaxes()
+    saved = [(m, name, buf.clone()) for m in model.modules()
+             for name, buf in m.named_buffers(recurse=False) if name in ("fp8_amax_history", "fp8_scale")]
+    try:
+        yield
+    finally:
+        fs.nn.reduce_and_update_amaxes()
+        for m, name, value in saved:
+            getattr(m, name).copy_(value)
+
+
+def resume_candidates(cfg: Config, root: Path) -> list[Path]:
+    """Checkpoints to resume from, in order of preference, per ``trainer.resume``."""
+    mode = cfg.trainer.resume
+    if isinstance(mode, bool):
+        mode = "auto" if mode else "never"
+    found = list_checkpoints(root)
+    if mode == "auto":
+        return found  # newest first; a damaged one falls back to the next
+    try:
+        chosen = [] if mode == "never" else [resolve_checkpoint(mode)]
+    except CheckpointError as e:
+        raise ConfigError(f"trainer.resume: {e}") from None
+    if found and not (chosen and chosen[0].parent.resolve() == root.resolve()):
+        # Saving a new lineage beside them would mix the two (auto-resume, keep_last pruning).
+        raise ConfigError(f"trainer.resume={mode} but {root} holds checkpoints of an earlier run "
+                          f"(newest: {found[0].name}); continue them with trainer.resume=auto, or "
+                          "use another exp_manager.name")
+    return chosen
+
+
 class Trainer:
     """Everything one run holds; ``fit()`` trains and returns the summary."""
 
@@ -60,8 +117,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         t, m = cfg.trainer, cfg.model
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
-        self.rec = RunRecorder(self.run_dir, env.is_main, t.max_steps)
-        self.rec.write_config(to_yaml(cfg))
+        self.ckpt_root = self.run_dir / "checkpoints"
+        candidates = resume_candidates(cfg, self.ckpt_root)
         self.data: TokenData = load_data(cfg.data, m.encoder_seq_length)
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
@@ -74,6 +131,75 @@ class Trainer:
         self.memory: dict[str, int] = {}
         self.comm: dict[str, int] = {}
         self.step = 0
+        self.skipped_steps = 0
+        self._timed: tuple[int, float] = (0, 0.0)
+        # Per-rank sum of step losses and number of steps since the last log record: saved in
+        # checkpoints, so a resumed run logs the same mean losses as an uninterrupted one.
+        self.window: list[float] = [0.0, 0]
+        notes: list[str] = []
+        self.resumed_from = self._resume(candidates, notes) if candidates else None
+        # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
+        inside = self.resumed_from is not None and \
+            self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
+        self.rec = RunRecorder(self.run_dir, env.is_main, t.max_steps,
+                               keep_until=self.step if inside else None)
+        self.rec.write_config(to_yaml(cfg))
+        for note in notes:
+            self.rec.say(note)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self, candidates: list[Path], notes: list[str]) -> Path:
+        """Load the first loadable candidate (a damaged newest one falls back to the previous)."""
+        for i, path in enumerate(candidates):
+            try:
+                info = load_checkpoint(path, self.model, self.opt, process_group=self.env.group)
+            except CheckpointFormatError as e:
+                if i + 1 < len(candidates):
+                    notes.append(f"checkpoint {path} cannot be loaded ({e}); trying the previous one")
+                    continue
+                raise ConfigError(f"trainer.resume: {e}") from None
+            except CheckpointError as e:
+                raise ConfigError(f"trainer.resume: {e}") from None
+            extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
+            self.step = int(extra.get("step", info.step or 0))
+            self.skipped_steps = int(extra.get("skipped_steps", 0))
+            if "data" in extra:
+                self.loader.load_state_dict(extra["data"])
+            else:
+                self.loader.consumed_samples = self.step * self.cfg.model.global_batch_size
+            window = extra.get("log_window", {"loss_sums": [0.0] * info.world_size, "steps": 0})
+            if info.world_size == self.env.world_size:
+                self.window = [window["loss_sums"][self.env.rank], window["steps"]]
+            else:  # the same mean over a different number of ranks
+                total = sum(window["loss_sums"]) * self.env.world_size / info.world_size
+                self.window = [total if self.env.is_main else 0.0, window["steps"]]
+            if not info.rng_restored:  # another world size: fresh streams, still per rank and step
+                torch.manual_seed(self.cfg.model.seed + 1 + self.env.rank + 1_000_003 * self.step)
+            notes.append(f"resumed from {path} at step {self.step} (saved by {info.world_size} rank(s))")
+            if extra.get("lr_schedule") != self._schedule_state():
+                notes.append(f"note: the LR schedule differs from the checkpoint's "
+                             f"({extra.get('lr_schedule')} -> {self._schedule_state()}); the continued "
+                             "run follows the new one")
+            return path
+        raise AssertionError("unreachable")
+
+    def _schedule_state(self) -> dict[str, Any]:
+        s = self.cfg.model.optim.sched
+        return {"name": s.name, "lr": self.cfg.model.optim.lr, "min_lr": s.min_lr,
+                "warmup_steps": s.warmup_steps, "max_steps": s.max_steps or self.cfg.trainer.max_steps}
+
+    def save(self) -> Path:
+        """A checkpoint of this step (collective; atomic; keeps checkpoint.keep_last)."""
+        sums = [self.window[0]]
+        if self.env.group is not None:
+            sums = [0.0] * self.env.world_size
+            dist.all_gather_object(sums, self.window[0], group=self.env.group)
+        extra = {"step": self.step, "data": self.loader.state_dict(), "lr_schedule": self._schedule_state(),
+                 "log_window": {"loss_sums": sums, "steps": self.window[1]},
+                 "skipped_steps": self.skipped_steps, "config": to_dict(self.cfg)}
+        return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
+                               step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
+                               process_group=self.env.group)
 
     # ------------------------------------------------------------------ contexts
     def _forward_ctx(self) -> contextlib.ExitStack:
@@ -119,7 +245,7 @@ class Trainer:
             self.opt.step()
         else:
             skipped = True  # the baseline skips non-finite steps too
-        if self.step == 0:
+        if not self.memory:  # the first step of this process (also after resuming)
             self._measure_resources()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -140,18 +266,23 @@ class Trainer:
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean loss over the fixed validation windows (the same set at any world size)."""
-        cfg, env = self.cfg, self.env
-        self.model.eval()
-        n = cfg.trainer.limit_val_batches * cfg.model.global_batch_size
+        """Mean loss over the fixed validation windows (the same set at any world size).
+
+        The FP8 layers' delayed-scaling state is restored afterwards, so validating changes
+        nothing in the training that follows (``_delayed_scaling_untouched``).
+        """
+        cfg, env, m = self.cfg, self.env, self.cfg.model
+        n = cfg.trainer.limit_val_batches * m.global_batch_size
         total = count = 0.0
-        for x, y in val_batches(self.data.val, cfg.model.encoder_seq_length, n, cfg.model.micro_batch_size,
-                                env.rank, env.world_size, env.device):
-            with self._forward_ctx():
-                loss = self.model(x, y)
-            total += float(loss) * y.numel()
-            count += y.numel()
-        self.model.train()
+        with _delayed_scaling_untouched(self.model):
+            self.model.eval()
+            for x, y in val_batches(self.data.val, m.encoder_seq_length, n, m.micro_batch_size,
+                                    env.rank, env.world_size, env.device):
+                with self._forward_ctx():
+                    loss = self.model(x, y)
+                total += float(loss) * y.numel()
+                count += y.numel()
+            self.model.train()
         total, count = all_reduce_sum([total, count], env)
         return total / max(count, 1.0)
 
@@ -159,53 +290,70 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, env, rec = self.cfg, self.env, self.rec
         t = cfg.trainer
-        tokens_per_step = cfg.model.global_batch_size * cfg.model.encoder_seq_length
         rec.say(f"fp8shard.train: {self.num_params:,} params, {env.world_size} rank(s) on {env.device.type}, "
                 f"data {self.data.description}, run dir {self.run_dir}")
-        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        window_start, first_step = time.perf_counter(), self.step
         timed_tokens, timed_s = 0, 0.0
         last_loss, val_loss = float("nan"), float("nan")
-        skipped_steps = 0
-        for _ in range(t.max_steps):
+        every = cfg.checkpoint.every_n_steps
+        if self.step >= t.max_steps:
+            rec.say(f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to train")
+            val_loss = self.validate()
+        while self.step < t.max_steps:
             loss, norm, skipped = self.train_step()
-            skipped_steps += skipped
-            window_loss += loss
-            window_steps += 1
+            self.skipped_steps += skipped
+            self.window[0] += loss
+            self.window[1] += 1
             step = self.step
             log_now = step % t.log_every_n_steps == 0 or step == t.max_steps
             val_now = step % t.val_check_interval == 0 or step == t.max_steps
-            if not (log_now or val_now):
-                continue
-            if env.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - window_start
-            mean_loss = all_reduce_sum([window_loss / window_steps], env)[0] / env.world_size
-            rate = window_steps * tokens_per_step / elapsed
-            if step > t.log_every_n_steps or step == t.max_steps:  # the first window holds start-up costs
-                timed_tokens += window_steps * tokens_per_step
-                timed_s += elapsed
-            last_loss = mean_loss
-            record: dict[str, Any] = {
-                "step": step, "loss": mean_loss, "lr": lr_at(cfg, step - 1), "tokens_per_s": rate,
-                "grad_norm": norm, "skipped": skipped, "skipped_steps": skipped_steps,
-                "consumed_samples": self.loader.consumed_samples,
-                "tokens": step * tokens_per_step, "elapsed_s": time.perf_counter() - rec.start,
-            }
-            extra = ""
-            if val_now:
-                val_loss = self.validate()
-                record["val_loss"] = val_loss
-                extra = f" | val {val_loss:.4f}"
-            rec.log(record)
-            rec.progress(step, mean_loss, rate, record["lr"], extra)
-            window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if log_now or val_now:
+                last_loss, val_loss = self._log(step, norm, skipped, val_now, val_loss, window_start)
+                if step - first_step > t.log_every_n_steps or step == t.max_steps:
+                    timed_tokens += self._timed[0]  # the first window holds start-up costs
+                    timed_s += self._timed[1]
+                window_start = time.perf_counter()
+            if every and (step % every == 0 or step == t.max_steps):
+                start = time.perf_counter()
+                path = self.save()
+                rec.say(f"checkpoint: {path} ({time.perf_counter() - start:.2f}s)")
+                window_start += time.perf_counter() - start  # saving is not training throughput
         summary = self._summary(last_loss, val_loss, timed_tokens / timed_s if timed_s else float("nan"))
-        summary["skipped_steps"] = skipped_steps
+        summary["skipped_steps"] = self.skipped_steps
         path = rec.write_summary(summary)
         rec.close()
         rec.say(format_summary(summary))
         rec.say(f"summary: {path}")
         return summary
+
+    def _log(self, step: int, norm: float, skipped: bool, val_now: bool, val_loss: float,
+             window_start: float) -> tuple[float, float]:
+        """Write the record of ``step`` (mean loss over the window since the last record, and a
+        validation loss when due); returns (that mean loss, the latest validation loss)."""
+        cfg, env, rec = self.cfg, self.env, self.rec
+        tokens_per_step = cfg.model.global_batch_size * cfg.model.encoder_seq_length
+        window_loss, window_steps = self.window
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - window_start
+        mean_loss = all_reduce_sum([window_loss / window_steps], env)[0] / env.world_size
+        rate = window_steps * tokens_per_step / elapsed
+        self._timed = (int(window_steps * tokens_per_step), elapsed)
+        record: dict[str, Any] = {
+            "step": step, "loss": mean_loss, "lr": lr_at(cfg, step - 1), "tokens_per_s": rate,
+            "grad_norm": norm, "skipped": skipped, "skipped_steps": self.skipped_steps,
+            "consumed_samples": self.loader.consumed_samples,
+            "tokens": step * tokens_per_step, "elapsed_s": time.perf_counter() - rec.start,
+        }
+        extra = ""
+        if val_now:
+            val_loss = self.validate()
+            record["val_loss"] = val_loss
+            extra = f" | val {val_loss:.4f}"
+        rec.log(record)
+        rec.progress(step, mean_loss, rate, record["lr"], extra)
+        self.window = [0.0, 0]
+        return mean_loss, val_loss
 
     def _summary(self, final_loss: float, val_loss: float, tokens_per_s: float) -> dict[str, Any]:
         cfg, env, m = self.cfg, self.env, self.cfg.model
@@ -247,4 +395,6 @@ class Trainer:
             "seq_len": m.encoder_seq_length,
             "accumulation_steps": self.loader.accumulation_steps,
             "data_state": self.loader.state_dict(),
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "checkpoints": [p.name for p in list_checkpoints(self.ckpt_root)],
         }

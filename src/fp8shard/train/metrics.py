@@ -59,13 +59,26 @@ def _fmt_rate(r: float) -> str:
 class RunRecorder:
     """Writes the run directory's files; only rank 0 writes or prints (``enabled``)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, max_steps: int) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, max_steps: int, keep_until: int | None = None) -> None:
+        """``keep_until``: resuming at that step, keep metrics.jsonl's records up to it and append
+        (the records of steps after the checkpoint are redone by the resumed run)."""
         self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
         self.start = time.perf_counter()
         self._file = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = (run_dir / "metrics.jsonl").open("w")
+            path = run_dir / "metrics.jsonl"
+            kept = []
+            if keep_until is not None and path.exists():
+                for line in path.read_text().splitlines():
+                    try:
+                        if json.loads(line)["step"] <= keep_until:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        break  # a line cut by a crash ends what can be kept
+            self._file = path.open("w")
+            self._file.writelines(kept)
+            self._file.flush()
 
     def write_config(self, text: str) -> None:
         if self.enabled:

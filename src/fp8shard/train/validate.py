@@ -145,13 +145,15 @@ def _data(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 
 
-def _reserved(cfg: Config) -> None:
-    if cfg.trainer.resume is not False:
-        raise ConfigError(f"trainer.resume={cfg.trainer.resume}: resuming is not implemented yet "
-                          "(checkpoint issue); valid: trainer.resume=false")
-    if cfg.checkpoint.every_n_steps:
-        raise ConfigError("checkpoint.every_n_steps: checkpointing is not implemented yet "
-                          "(checkpoint issue); valid: checkpoint.every_n_steps=0")
+def _checkpoint(cfg: Config) -> None:
+    resume = cfg.trainer.resume
+    if not isinstance(resume, bool) and resume not in ("auto", "never") and not os.path.isdir(resume):
+        raise ConfigError(f"trainer.resume: {resume!r} is neither auto, never, nor an existing checkpoint "
+                          "directory (or a directory holding checkpoints)")
+    horizon = cfg.model.optim.sched.max_steps
+    if horizon and horizon < cfg.trainer.max_steps:
+        raise ConfigError(f"model.optim.sched.max_steps ({horizon}) must be 0 or >= trainer.max_steps "
+                          f"({cfg.trainer.max_steps}): the schedule would end before the run")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -163,4 +165,4 @@ def validate(cfg: Config, world_size: int) -> None:
     _fp8(cfg)
     _optim(cfg)
     _data(cfg)
-    _reserved(cfg)
+    _checkpoint(cfg)

@@ -1,0 +1,171 @@
+"""Model-space checkpoint state: which tensors a checkpoint holds, under which keys.
+
+[Note: checkpoint keys]
+    Everything is per model entry (parameter or buffer, by its ``state_dict`` name), never per
+    bucket, so a checkpoint written at world size N loads at world size M
+    ([Note: checkpoint space]):
+
+      model/<name>                       a high-precision parameter or buffer, as stored
+      model/<name>:fp8_bytes             an FP8 weight's bytes as uint8, in the weight's shape
+      model/<name>:scale_inv             its fp32 0-d scale_inv (value = bytes x scale_inv)
+      optim/<name>/master|exp_avg|exp_avg_sq
+                                         DistributedFusedAdam: 1-D over the flattened parameter,
+                                         saved as the pieces each rank owns ([Note: flat pieces])
+      optim/<name>/fp8_scale, fp8_amax_history
+                                         the optimizer's weight-scaling state of an FP8 weight
+      optim/<name>/<key>                 a torch.optim optimizer's per-parameter tensor states
+      rng/<rank>/<generator>             each rank's RNG states
+
+    Model entries are the same on every rank, so DCP writes each once. The JSON manifest
+    (io.py) records, per entry, its kind, shape, nominal dtype and FP8 format, and the
+    optimizer's scalars (step, param groups); loading checks a model against it before reading
+    a byte of tensor data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8shard.checkpoint.errors import CheckpointMismatchError
+from fp8shard.fp8 import Float8Tensor, Fp8Format
+
+MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
+FP8_BYTES, SCALE_INV = ":fp8_bytes", ":scale_inv"
+# Buffers fp8shard.nn.Linear creates at its first delayed-scaling forward (or when loading them),
+# so a freshly built model may lack them, or have them while a checkpoint does not.
+LAZY_BUFFERS = ("fp8_amax_history", "fp8_scale")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module itself for a DDP-wrapped model, so its names carry no ``module.`` prefix."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        return inner
+    return model
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointMismatchError(f"the checkpoint names an unknown dtype {name!r}")
+    return dt
+
+
+def is_lazy(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LAZY_BUFFERS
+
+
+def name_list(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:8])
+    return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+# ---------------------------------------------------------------------------- model
+def model_save_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """(tensors by key, manifest entries by name) of a model's ``state_dict``."""
+    model = unwrap(model)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for name, t in model.state_dict().items():
+        entry: dict[str, Any] = {"kind": "param" if name in params else "buffer",
+                                 "shape": list(t.shape), "dtype": dtype_name(t.dtype), "fp8": None}
+        if isinstance(t, Float8Tensor):
+            entry["fp8"] = t.fp8_format.value
+            tensors[MODEL + name + FP8_BYTES] = t.uint8_view()
+            tensors[MODEL + name + SCALE_INV] = t.scale_inv.reshape(())
+        else:
+            tensors[MODEL + name] = t
+        entries[name] = entry
+    return tensors, entries
+
+
+def model_keys(name: str, entry: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
+    """DCP keys of one manifest entry with the shape and dtype each must have."""
+    if entry["fp8"]:
+        return {MODEL + name + FP8_BYTES: (entry["shape"], torch.uint8),
+                MODEL + name + SCALE_INV: ([], torch.float32)}
+    return {MODEL + name: (entry["shape"], parse_dtype(entry["dtype"]))}
+
+
+def check_model(model: nn.Module, entries: dict[str, dict[str, Any]], strict: bool) -> list[str]:
+    """Names to load; raises ``CheckpointMismatchError`` naming each problem. Touches nothing."""
+    model = unwrap(model)
+    mine = model.state_dict()
+    missing = [n for n in mine if n not in entries and not is_lazy(n)]
+    unexpected = [n for n in entries if n not in mine and not _accepts_lazy(model, n)]
+    problems = []
+    if strict and missing:
+        problems.append(f"the checkpoint lacks {len(missing)} entries of the model: {name_list(missing)}")
+    if strict and unexpected:
+        problems.append(f"the checkpoint has {len(unexpected)} entries the model lacks: "
+                        f"{name_list(unexpected)}")
+    for n, e in entries.items():
+        if n in mine and list(mine[n].shape) != list(e["shape"]):
+            problems.append(f"{n!r}: the checkpoint has shape {tuple(e['shape'])}, the model has "
+                            f"{tuple(mine[n].shape)}")
+    if problems:
+        raise CheckpointMismatchError("checkpoint does not fit the model (nothing was loaded):\n  "
+                                      + "\n  ".join(problems))
+    return [n for n in entries if n in mine or _accepts_lazy(model, n)]
+
+
+def _accepts_lazy(model: nn.Module, name: str) -> bool:
+    from fp8shard.nn import Linear
+
+    if not is_lazy(name):
+        return False
+    owner = name.rsplit(".", 1)[0] if "." in name else ""
+    try:
+        return isinstance(model.get_submodule(owner), Linear)
+    except AttributeError:
+        return False
+
+
+def model_targets(names: list[str], entries: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Fresh CPU tensors DCP reads the model entries into (the model is untouched until apply)."""
+    out = {}
+    for n in names:
+        for key, (shape, dtype) in model_keys(n, entries[n]).items():
+            out[key] = torch.empty(shape, dtype=dtype)
+    return out
+
+
+def read_entry(name: str, entry: dict[str, Any], loaded: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loaded value of one entry: a Float8Tensor for an FP8 entry, else a plain tensor."""
+    if entry["fp8"]:
+        fmt = Fp8Format.parse(entry["fp8"])
+        data = loaded[MODEL + name + FP8_BYTES].view(fmt.torch_dtype)
+        return Float8Tensor(data, loaded[MODEL + name + SCALE_INV].reshape(()).float(), fmt,
+                            parse_dtype(entry["dtype"]))
+    return loaded[MODEL + name]
+
+
+def apply_model(model: nn.Module, names: list[str], entries: dict[str, dict[str, Any]],
+                loaded: dict[str, torch.Tensor], strict: bool) -> None:
+    """Copy loaded entries into the model in place (parameters stay the optimizer's views).
+
+    FP8 into FP8: bytes and scale, bit-exact. FP8 into a high-precision parameter: dequantized.
+    High precision into FP8: quantized with current scaling (``Float8Tensor.copy_``).
+    """
+    model = unwrap(model)
+    mine = model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for n in names:
+        value = read_entry(n, entries[n], loaded)
+        cur = mine.get(n)
+        if isinstance(value, Float8Tensor) and cur is not None and not isinstance(cur, Float8Tensor):
+            value = value.dequantize(cur.dtype)
+        sd[n] = value
+    result = model.load_state_dict(sd, strict=False)
+    left = [k for k in result.missing_keys if not is_lazy(k)] if strict else []
+    if left or (strict and result.unexpected_keys):
+        raise CheckpointMismatchError(f"load_state_dict left missing={left}, unexpected="
+                                      f"{result.unexpected_keys}")
