@@ -96,7 +96,7 @@ def optimizer_save_state(optimizer: torch.optim.Optimizer, names: list[str]
             if "amax_history" in st:
                 tensors[f"{OPTIM}{names[i]}/fp8_amax_history"] = st["amax_history"]
                 params[names[i]]["amax_history_len"] = int(st["amax_history"].shape[0])
-        state_dtype = dtype_name(optimizer.regions[0].exp_avg.dtype) if optimizer.regions else "float32"
+        state_dtype = dtype_name(optimizer.state_dtype)
         section = {"kind": DFA_KIND, "step": int(ssd["step"]), "state_dtype": state_dtype,
                    "param_groups": _groups(optimizer, names), "params": params}
         return tensors, flat, section
@@ -160,7 +160,7 @@ def _dfa_load(opt: DistributedFusedAdam, names: list[str], section: dict[str, An
     opt.wait_param_sync()
     ssd = opt.sharded_state_dict()  # views into the live buffers
     saved = section["params"]
-    history = opt.fp8.history
+    history_len = opt.fp8_amax_history_len
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, FlatPieces] = {}
     fp8_keys: dict[int, dict[str, str]] = {}
@@ -180,8 +180,8 @@ def _dfa_load(opt: DistributedFusedAdam, names: list[str], section: dict[str, An
             continue  # a high-precision checkpoint into an FP8 weight: keep the scale from its bytes
         keys = {"scale": f"{OPTIM}{name}/fp8_scale"}
         tensors[keys["scale"]] = torch.empty(())
-        if history is not None:
-            want, have = int(history.history.shape[0]), saved[name].get("amax_history_len")
+        if history_len is not None:
+            want, have = history_len, saved[name].get("amax_history_len")
             if have != want:
                 raise CheckpointMismatchError(
                     f"{name!r}: this optimizer uses delayed weight scaling with an amax history of "

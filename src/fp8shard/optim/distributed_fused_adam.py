@@ -100,6 +100,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._last_comm: dict[str, int] = {}
         self.group = Group(process_group, self._comm)
         _check_backend(self.group, self.device)
+        self.state_dtype = state_dtype
         self.regions = self._build_regions(bucket_cap_mb, alignment, grad_sync_dtype, state_dtype)
         fp8 = {i: p for i, p in enumerate(self._params) if isinstance(p, Float8Tensor)}
         self.fp8 = Fp8WeightScaler(fp8, fp8_weight_scaling, delayed_scaling, self.device)
@@ -296,6 +297,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self.grad_sync.dirty or self._grads is not None:
             self._grads, self._stats = None, None
             self.grad_sync.reset()
+
+    @property
+    def fp8_amax_history_len(self) -> int | None:
+        """Length of the FP8 weights' amax history (delayed weight scaling), else None."""
+        history = self.fp8.history
+        return None if history is None else history.history.shape[0]
 
     # ================================================================== parameters in flight
     def wait_param_sync(self) -> None:
