@@ -8,19 +8,27 @@ import torch
 from fp8shard.testing import DistPool
 
 
-@pytest.fixture(scope="module")
-def dist_pools(request):
-    """``dist_pools(world_size)`` -> a DistPool shared by every test of this module."""
-    pools: dict[int, DistPool] = {}
+def pools_fixture(backend: str = "auto"):
+    """A module-scoped fixture: ``dist_pools(world_size)`` -> a DistPool shared by every test
+    of the module (one set of worker processes per module and world size)."""
 
-    def get(world_size: int) -> DistPool:
-        if world_size not in pools:
-            pools[world_size] = DistPool(world_size)
-        return pools[world_size]
+    @pytest.fixture(scope="module")
+    def dist_pools():
+        pools: dict[int, DistPool] = {}
 
-    yield get
-    for pool in pools.values():
-        pool.close()
+        def get(world_size: int) -> DistPool:
+            if world_size not in pools:
+                pools[world_size] = DistPool(world_size, backend=backend)
+            return pools[world_size]
+
+        yield get
+        for pool in pools.values():
+            pool.close()
+
+    return dist_pools
+
+
+dist_pools = pools_fixture("auto")
 
 
 def pytest_collection_modifyitems(config, items):

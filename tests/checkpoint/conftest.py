@@ -10,22 +10,9 @@ from __future__ import annotations
 import pytest
 
 from fp8shard.nn import autocast
-from fp8shard.testing import DistPool
+from tests.conftest import pools_fixture
 
-
-@pytest.fixture(scope="module")
-def dist_pools():
-    """``dist_pools(world_size)`` -> a gloo DistPool shared by every test of this module."""
-    pools: dict[int, DistPool] = {}
-
-    def get(world_size: int) -> DistPool:
-        if world_size not in pools:
-            pools[world_size] = DistPool(world_size, backend="gloo")
-        return pools[world_size]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+dist_pools = pools_fixture("gloo")
 
 
 @pytest.fixture(autouse=True)
