@@ -46,7 +46,9 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl)")
-    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    from fp8shard.train.metrics import read_metrics  # a line cut by a crash is left out
+
+    metrics = read_metrics(metrics_path)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"name": run_dir.name, "metrics": metrics, "summary": summary}

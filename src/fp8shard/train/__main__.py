@@ -1,6 +1,8 @@
 """``python -m fp8shard.train [config=PRESET] [key=value ...]``, or under ``torchrun``.
 
-A configuration problem prints one message naming the key (no traceback) and exits with 2.
+A configuration problem prints one message naming the key (no traceback) and exits with 2; a
+run that cannot go on (too many skipped steps in a row, a collective that timed out) prints one
+message naming the cause and exits with 1 (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ def _error(message: str) -> int:
     return 2
 
 
+def _failure(message: str, every_rank: bool) -> int:
+    """The run could not go on: rank 0 says why (or every rank that saw it, ``every_rank``)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or every_rank:
+        where = "" if "WORLD_SIZE" not in os.environ else f" (rank {rank})"
+        print(f"fp8shard.train: error{where}: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -29,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
 
     from fp8shard.train.distributed import init_distributed, teardown
-    from fp8shard.train.loop import Trainer
+    from fp8shard.train.loop import Trainer, TrainingFailure
     from fp8shard.train.report_hook import draw_plots
 
-    env = init_distributed(cfg.trainer.accelerator)
+    env = init_distributed(cfg.trainer.accelerator, cfg.trainer.collective_timeout_s)
     code = 0
     try:
         trainer = Trainer(cfg, env)
@@ -41,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             draw_plots(trainer.run_dir)
     except ConfigError as e:  # problems only the data can reveal (e.g. a too-short file)
         code = _error(str(e))
+    except TrainingFailure as e:  # the ranks may disagree on where they are: no barrier
+        code = _failure(str(e), e.every_rank)  # a timed-out group may not destroy cleanly: leave without it
     except BaseException:
         teardown(env, wait=False)  # the other ranks may never arrive: no barrier
         raise
-    teardown(env, wait=code == 0)
+    if code != 1:
+        teardown(env, wait=code == 0)
     if env.backend is not None:
         # Leave without running destructors: at interpreter exit DDP's reducer can free the gloo
         # process group, whose destructor joins gloo's worker thread while holding the GIL, and

@@ -60,6 +60,12 @@ class TrainerConfig:
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
     checkpoint path (or a directory holding checkpoints) to start from."""
+    max_consecutive_skips: int = 10
+    """A step whose loss or gradients are not finite is skipped (nothing changes); after this
+    many skipped steps in a row the run stops with an error (docs/reliability.md)."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the run fails with an error
+    naming it (the process-group timeout); turns a hung rank into an error."""
 
 
 @dataclasses.dataclass

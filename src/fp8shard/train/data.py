@@ -120,8 +120,16 @@ def _split(tokens: np.ndarray, val_fraction: float, seq_len: int, what: str) -> 
     return tokens[:-n_val], tokens[-n_val:]
 
 
+def _nonempty(path: str) -> int:
+    size = Path(path).stat().st_size
+    if size == 0:
+        raise ConfigError(f"data.path: {path} is empty (0 bytes)")
+    return size
+
+
 def text_data(cfg: DataConfig, seq_len: int) -> TokenData:
     assert cfg.path is not None
+    _nonempty(cfg.path)
     if cfg.tokenizer is None:
         tokens = np.fromfile(cfg.path, dtype=np.uint8)  # byte-level: vocab 256
         vocab, how = 256, "bytes"
@@ -131,8 +139,17 @@ def text_data(cfg: DataConfig, seq_len: int) -> TokenData:
         except ImportError:
             raise ConfigError("data.tokenizer needs the `tokenizers` package: pip install tokenizers "
                               "(or set data.tokenizer=null for byte-level tokens)") from None
-        tok = Tokenizer.from_file(cfg.tokenizer)
-        ids = tok.encode(Path(cfg.path).read_text(encoding="utf-8")).ids
+        try:
+            tok = Tokenizer.from_file(cfg.tokenizer)
+        except Exception as e:  # the library raises its own exception types
+            raise ConfigError(f"data.tokenizer: {cfg.tokenizer} is not a tokenizers JSON file "
+                              f"({str(e).splitlines()[0][:120]})") from None
+        try:
+            text = Path(cfg.path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"data.path: {cfg.path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              "a pre-tokenized file needs data.source=tokens") from None
+        ids = tok.encode(text).ids
         vocab, how = tok.get_vocab_size(), f"tokenizer {cfg.tokenizer}"
         tokens = np.asarray(ids, dtype=np.uint32)
     train, val = _split(tokens, cfg.val_fraction, seq_len, cfg.path)
@@ -141,10 +158,19 @@ def text_data(cfg: DataConfig, seq_len: int) -> TokenData:
 
 def token_file_data(cfg: DataConfig, seq_len: int) -> TokenData:
     assert cfg.path is not None
-    tokens = np.memmap(cfg.path, dtype=np.dtype(cfg.token_dtype), mode="r")
-    vocab = cfg.vocab_size
-    if vocab == 0:
-        vocab = int(max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))) + 1
+    dtype = np.dtype(cfg.token_dtype)
+    size = _nonempty(cfg.path)
+    if size % dtype.itemsize:
+        raise ConfigError(f"data.path: {cfg.path} has {size} bytes, not a whole number of "
+                          f"{cfg.token_dtype} token ids ({dtype.itemsize} bytes each): a text file needs "
+                          "data.source=text, another element type data.token_dtype")
+    tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
+    top = int(max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24)))
+    vocab = cfg.vocab_size or top + 1
+    if top >= vocab:
+        raise ConfigError(f"data.path: {cfg.path} holds token id {top}, beyond the vocabulary "
+                          f"(data.vocab_size={vocab}: ids 0..{vocab - 1}); set data.vocab_size to at "
+                          f"least {top + 1} (0: max id + 1), or check data.token_dtype")
     train, val = _split(tokens, cfg.val_fraction, seq_len, cfg.path)
     return TokenData(train, val, vocab, f"tokens {cfg.path} ({cfg.token_dtype})")
 

@@ -12,7 +12,9 @@ One optimizer step reads top to bottom:
 Checkpoints ([Note: checkpoint space], docs/checkpoint.md) hold, besides the model and optimizer,
 everything that makes a resumed run the same run: the data position (consumed samples), the LR
 schedule (a function of the step and ``model.optim.sched.max_steps``), every rank's RNG states,
-the partial loss window of the log and the skipped-step count. Validation leaves the training
+the partial loss window of the log and the skipped-step count. Non-finite steps are skipped
+([Note: skipped steps]) and a timed-out collective becomes an error naming the phase of the
+step ([Note: collective timeouts]), both in faults.py. Validation leaves the training
 state untouched (see ``_delayed_scaling_untouched``), so the validation a run stopped early
 does at its last step changes nothing.
 """
@@ -50,6 +52,7 @@ from fp8shard.train.builders import (
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
 from fp8shard.train.data import BatchLoader, TokenData, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
+from fp8shard.train.faults import FaultInjector, TrainingFailure, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
 
 
@@ -132,6 +135,9 @@ class Trainer:
         self.comm: dict[str, int] = {}
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.faults = FaultInjector()
+        self.phase, self.phase_step = "start-up", 0  # where a timed-out collective happened
         self._timed: tuple[int, float] = (0, 0.0)
         # Per-rank sum of step losses and number of steps since the last log record: saved in
         # checkpoints, so a resumed run logs the same mean losses as an uninterrupted one.
@@ -159,7 +165,10 @@ class Trainer:
                     continue
                 raise ConfigError(f"trainer.resume: {e}") from None
             except CheckpointError as e:
-                raise ConfigError(f"trainer.resume: {e}") from None
+                lines = str(e).splitlines()
+                if len(lines) > 6:  # e.g. every mismatched parameter: the first few say enough
+                    lines = [*lines[:6], f"  ... and {len(lines) - 6} more"]
+                raise ConfigError("trainer.resume: " + "\n".join(lines)) from None
             extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
             self.step = int(extra.get("step", info.step or 0))
             self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -223,21 +232,29 @@ class Trainer:
         lr = lr_at(self.cfg, self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr
+        self.phase_step = self.step + 1
+        self.faults.maybe_stall(self.step + 1, self.env.rank)
+        inject_nan = self.faults.nan_at(self.step + 1, self.env.rank)
         micro = self.loader.next_batches()
         loss_sum = torch.zeros((), device=self.env.device)
+        self.phase = "forward/backward (gradient reduce-scatter, FP8 amax all-reduce)"
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self._no_sync():
                 with self._forward_ctx():
                     loss = self.forward_module(x, y)
+                if inject_nan:  # FP8SHARD_INJECT_NAN_STEPS: a non-finite loss, hence gradients
+                    loss = loss * float("nan")
                 (loss / len(micro)).backward()
             loss_sum += loss.detach()
+        self.phase = "gradient clipping (gradient reduce-scatter, gradient-norm all-reduce)"
         clip = self.cfg.trainer.gradient_clip_val or math.inf
         if self.is_dfa:
             norm = self.opt.clip_grad_norm(clip)  # type: ignore[attr-defined]
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         skipped = False
+        self.phase = "optimizer step (weight amax all-reduce, parameter all-gather)"
         if self.is_dfa:
             self.opt.step()
             skipped = bool(self.opt.last_step_skipped)  # type: ignore[attr-defined]
@@ -295,36 +312,71 @@ class Trainer:
         window_start, first_step = time.perf_counter(), self.step
         timed_tokens, timed_s = 0, 0.0
         last_loss, val_loss = float("nan"), float("nan")
-        every = cfg.checkpoint.every_n_steps
         if self.step >= t.max_steps:
             rec.say(f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to train")
             val_loss = self.validate()
-        while self.step < t.max_steps:
-            loss, norm, skipped = self.train_step()
-            self.skipped_steps += skipped
-            self.window[0] += loss
-            self.window[1] += 1
-            step = self.step
-            log_now = step % t.log_every_n_steps == 0 or step == t.max_steps
-            val_now = step % t.val_check_interval == 0 or step == t.max_steps
-            if log_now or val_now:
-                last_loss, val_loss = self._log(step, norm, skipped, val_now, val_loss, window_start)
-                if step - first_step > t.log_every_n_steps or step == t.max_steps:
-                    timed_tokens += self._timed[0]  # the first window holds start-up costs
-                    timed_s += self._timed[1]
-                window_start = time.perf_counter()
-            if every and (step % every == 0 or step == t.max_steps):
-                start = time.perf_counter()
-                path = self.save()
-                rec.say(f"checkpoint: {path} ({time.perf_counter() - start:.2f}s)")
-                window_start += time.perf_counter() - start  # saving is not training throughput
+        try:
+            while self.step < t.max_steps:
+                window_start, timed_tokens, timed_s, last_loss, val_loss = self._one_step(
+                    first_step, window_start, timed_tokens, timed_s, last_loss, val_loss)
+        except RuntimeError as e:
+            if isinstance(e, TrainingFailure) or self.env.backend is None or not is_timeout(e):
+                raise
+            raise TrainingFailure(
+                f"a collective in {self.phase} at step {self.phase_step} timed out after "
+                f"{t.collective_timeout_s:g}s (trainer.collective_timeout_s): a rank stopped "
+                f"participating ({str(e).splitlines()[0][:200]})", every_rank=True) from None
+        finally:
+            rec.close()
+        self.phase = "the summary (loss and memory all-reduce)"
         summary = self._summary(last_loss, val_loss, timed_tokens / timed_s if timed_s else float("nan"))
         summary["skipped_steps"] = self.skipped_steps
         path = rec.write_summary(summary)
-        rec.close()
         rec.say(format_summary(summary))
         rec.say(f"summary: {path}")
         return summary
+
+    def _one_step(self, first_step: int, window_start: float, timed_tokens: int, timed_s: float,
+                  last_loss: float, val_loss: float) -> tuple[float, int, float, float, float]:
+        """One step of ``fit``, its log record, validation and checkpoint; returns fit's running
+        figures (window start, timed tokens and seconds, last mean loss, last validation loss)."""
+        cfg, rec, t = self.cfg, self.rec, self.cfg.trainer
+        every = cfg.checkpoint.every_n_steps
+        loss, norm, skipped = self.train_step()
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.window[0] += loss
+        self.window[1] += 1
+        step = self.step
+        log_now = step % t.log_every_n_steps == 0 or step == t.max_steps
+        val_now = step % t.val_check_interval == 0 or step == t.max_steps
+        if log_now or val_now:
+            self.phase = "logging and validation (loss all-reduce)"
+            last_loss, val_loss = self._log(step, norm, skipped, val_now, val_loss, window_start)
+            if step - first_step > t.log_every_n_steps or step == t.max_steps:
+                timed_tokens += self._timed[0]  # the first window holds start-up costs
+                timed_s += self._timed[1]
+            window_start = time.perf_counter()
+        if self.consecutive_skips >= t.max_consecutive_skips:
+            self._stop_skipping()
+        if every and (step % every == 0 or step == t.max_steps):
+            self.phase = "checkpoint save (gathers and barriers)"
+            start = time.perf_counter()
+            path = self.save()
+            rec.sync()  # metrics.jsonl on disk up to this checkpoint
+            rec.say(f"checkpoint: {path} ({time.perf_counter() - start:.2f}s)")
+            window_start += time.perf_counter() - start  # saving is not training throughput
+        return window_start, timed_tokens, timed_s, last_loss, val_loss
+
+    def _stop_skipping(self) -> None:
+        """Too many non-finite steps in a row: stop, keeping the checkpoints ([Note: skipped steps])."""
+        n, last = self.consecutive_skips, self.step
+        kept = list_checkpoints(self.ckpt_root)
+        where = f"the newest checkpoint {kept[0]} is kept" if kept else "no checkpoint was written"
+        raise TrainingFailure(
+            f"{n} steps in a row (steps {last - n + 1}-{last}) were skipped because the loss or the "
+            f"gradients were not finite (trainer.max_consecutive_skips="
+            f"{self.cfg.trainer.max_consecutive_skips}); stopping; {where}")
 
     def _log(self, step: int, norm: float, skipped: bool, val_now: bool, val_loss: float,
              window_start: float) -> tuple[float, float]:
@@ -345,7 +397,7 @@ class Trainer:
             "consumed_samples": self.loader.consumed_samples,
             "tokens": step * tokens_per_step, "elapsed_s": time.perf_counter() - rec.start,
         }
-        extra = ""
+        extra = f" | skipped (non-finite), {self.skipped_steps} so far" if skipped else ""
         if val_now:
             val_loss = self.validate()
             record["val_loss"] = val_loss

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -90,6 +91,12 @@ class RunRecorder:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
+    def sync(self) -> None:
+        """Flush metrics.jsonl and fsync it (at checkpoints: the records up to one are on disk)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, extra: str = "") -> None:
         if not self.enabled:
             return
@@ -116,6 +123,24 @@ class RunRecorder:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a last line cut short by a crash is left out.
+
+    A damaged line anywhere else is an error (ValueError naming the line)."""
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                break  # the write of this line was interrupted
+            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+    return records
 
 
 def format_summary(s: dict[str, Any]) -> str:

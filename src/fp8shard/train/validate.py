@@ -19,6 +19,8 @@ def _positive(cfg: Config) -> None:
         ("trainer.val_check_interval", cfg.trainer.val_check_interval),
         ("trainer.limit_val_batches", cfg.trainer.limit_val_batches),
         ("trainer.log_every_n_steps", cfg.trainer.log_every_n_steps),
+        ("trainer.max_consecutive_skips", cfg.trainer.max_consecutive_skips),
+        ("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s),
         ("model.micro_batch_size", cfg.model.micro_batch_size),
         ("model.global_batch_size", cfg.model.global_batch_size),
         ("model.num_layers", cfg.model.num_layers),

@@ -1,0 +1,44 @@
+"""When fp8shard's Triton kernels run instead of their PyTorch reference paths.
+
+Triton is optional (CUDA only). Every kernel has a reference path in plain PyTorch that is the
+specification: the tests compare the two. A Triton kernel serves a call only when all hold:
+
+* ``triton`` imports (it ships with the CUDA builds of PyTorch);
+* the tensors are on a CUDA device;
+* we are not being traced by ``torch.compile`` (Inductor fuses the reference path itself);
+* the environment does not say ``FP8SHARD_TRITON=0`` (to measure or debug the reference path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install: fall back to the reference path
+        return False
+    return True
+
+
+def triton_enabled() -> bool:
+    """Whether the environment allows the Triton kernels (``FP8SHARD_TRITON``, default on)."""
+    value = os.environ.get("FP8SHARD_TRITON", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"FP8SHARD_TRITON must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when a Triton kernel should serve a call on ``tensors`` (see the module docstring)."""
+    if not all(t.is_cuda for t in tensors):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return triton_enabled() and triton_importable()

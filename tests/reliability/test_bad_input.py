@@ -1,0 +1,273 @@
+"""Bad input, table-driven: configs, data files and checkpoints the training command refuses.
+
+Every case runs ``fp8shard.train``'s ``main`` in-process (one rank, tiny config) and asserts:
+exit code 2, one message naming the problem, no traceback, and nothing written (the run
+directory absent, or every file under it unchanged; checkpoints used as input unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fp8shard.train.__main__ import main
+from tests.reliability.common import run_args, tree_digest
+
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    args: list[str]
+    expect: str
+    """A substring of the error message."""
+    setup: Callable[[Path, Path], None] | None = None
+    """setup(tmp directory, the shared checkpointed run) writes the files the case needs; in the
+    arguments, {tmp} and {ck} stand for those two."""
+    run_name: str = "run"
+    """The run directory the case names; it is compared before and after."""
+
+
+def _write(name: str, data: bytes) -> Callable[[Path, Path], None]:
+    return lambda tmp, ck: (tmp / name).write_bytes(data)
+
+
+def _tokens(name: str, ids: list[int] | np.ndarray, dtype: str = "uint16") -> Callable[[Path, Path], None]:
+    return lambda tmp, ck: np.asarray(ids, dtype=dtype).tofile(tmp / name)
+
+
+def _copy_ck(
+    damage: Callable[[Path], None] | None = None, into: str = "copy"
+) -> Callable[[Path, Path], None]:
+    """Copy the shared run directory to {tmp}/``into``, then damage its newest checkpoint."""
+
+    def setup(tmp: Path, ck: Path) -> None:
+        shutil.copytree(ck, tmp / into)
+        if damage is not None:
+            newest = sorted((tmp / into / "checkpoints").glob("step_*"))[-1]
+            damage(newest)
+
+    return setup
+
+
+def _truncate_shard(ck: Path) -> None:
+    shard = ck / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: len(shard.read_bytes()) // 2])
+
+
+def _flip_byte(ck: Path) -> None:
+    shard = ck / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _garble_manifest(ck: Path) -> None:
+    manifest = next(p for p in ck.iterdir() if p.suffix == ".json")
+    manifest.write_text("{ not json")
+
+
+TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
+CK = "{tmp}/copy/checkpoints"
+
+CASES = [
+    # ------------------------------------------------------------------ config
+    Case("unknown-key", ["trainer.max_step=3"], "Did you mean 'trainer.max_steps'"),
+    Case("unknown-section", ["optimizer.lr=1"], "unknown key 'optimizer.lr'"),
+    Case("empty-key", ["=3"], "the key is empty"),
+    Case("bad-argument", ["--max-steps"], "bad argument '--max-steps'"),
+    Case("int-not-a-number", ["trainer.max_steps=abc"], "trainer.max_steps: expected an integer"),
+    Case("int-given-fraction", ["model.num_layers=1.5"], "model.num_layers: expected an integer"),
+    Case("bool-wrong", ["model.fp8=maybe"], "model.fp8: expected true or false"),
+    Case("choice-wrong", ["model.optim.name=sgd"], "model.optim.name: 'sgd' is not one of"),
+    Case("list-wrong", ["model.optim.betas=0.9"], "model.optim.betas: expected a list"),
+    Case("section-as-value", ["model=3"], "'model' is a section"),
+    Case("value-as-section", ["trainer.max_steps.x=1"], "'trainer.max_steps' is a value, not a section"),
+    Case("preset-missing", ["config={tmp}/nope.yaml"], "config: no such file"),
+    Case(
+        "preset-bad-yaml", ["config={tmp}/bad.yaml"], "is not valid YAML", _write("bad.yaml", b"a: [1, 2\n")
+    ),
+    Case(
+        "preset-not-mapping", ["config={tmp}/list.yaml"], "must hold a mapping", _write("list.yaml", b"- 1\n")
+    ),
+    Case("max-steps-negative", ["trainer.max_steps=-1"], "trainer.max_steps must be > 0"),
+    Case("lr-zero", ["model.optim.lr=0"], "model.optim.lr must be > 0"),
+    Case("dropout-range", ["model.hidden_dropout=1.5"], "model.hidden_dropout must be in [0, 1)"),
+    Case("skips-zero", ["trainer.max_consecutive_skips=0"], "trainer.max_consecutive_skips must be > 0"),
+    Case("timeout-zero", ["trainer.collective_timeout_s=0"], "trainer.collective_timeout_s must be > 0"),
+    Case("seq-len-1", ["model.encoder_seq_length=1"], "model.encoder_seq_length must be >= 2"),
+    Case(
+        "heads-not-dividing",
+        ["model.num_attention_heads=3"],
+        "must be divisible by model.num_attention_heads",
+    ),
+    Case(
+        "batch-not-dividing", ["model.global_batch_size=12"], "model.global_batch_size (12) must be divisible"
+    ),
+    Case("betas-three", ["model.optim.betas=[0.9,0.95,0.99]"], "model.optim.betas must be two numbers"),
+    Case("min-lr-above-lr", ["model.optim.sched.min_lr=1.0"], "model.optim.sched.min_lr (1.0) must be <="),
+    Case(
+        "schedule-too-short",
+        ["trainer.max_steps=5", "model.optim.sched.max_steps=3"],
+        "the schedule would end before the run",
+    ),
+    Case("fp8-params-without-fp8", ["model.fp8=false"], "model.fp8_params=true needs model.fp8=true"),
+    Case(
+        "fp8-params-with-adamw", ["model.optim.name=adamw"], "needs model.optim.name=distributed_fused_adam"
+    ),
+    Case("devices-vs-launch", ["trainer.devices=2"], "trainer.devices=2 but 1 process(es) were launched"),
+    Case(
+        "gpu-without-cuda", ["trainer.accelerator=gpu"], "trainer.accelerator=gpu but CUDA is not available"
+    ),
+    # ------------------------------------------------------------------ data
+    Case("tokens-no-path", ["data.source=tokens"], "data.source=tokens needs data.path"),
+    Case(
+        "tokens-missing-file", ["data.source=tokens", "data.path={tmp}/nope.bin"], "data.path: no such file"
+    ),
+    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "data.path: no such file"),
+    Case(
+        "tokens-empty-file",
+        ["data.source=tokens", "data.path={tmp}/empty.bin"],
+        "is empty (0 bytes)",
+        _write("empty.bin", b""),
+    ),
+    Case(
+        "tokens-beyond-vocab",
+        ["data.source=tokens", "data.path={tmp}/t.bin", "data.vocab_size=256"],
+        "holds token id 999, beyond the vocabulary (data.vocab_size=256",
+        _tokens("t.bin", np.arange(4000) % 1000),
+    ),
+    Case(
+        "tokens-too-short",
+        ["data.source=tokens", "data.path={tmp}/short.bin"],
+        "has 50 tokens, too few for a train/validation split",
+        _tokens("short.bin", np.arange(50)),
+    ),
+    Case(
+        "tokens-given-text-odd",
+        ["data.source=tokens", "data.path={tmp}/a.txt"],
+        "not a whole number of uint16 token ids",
+        _write("a.txt", (TEXT + "!").encode()),
+    ),
+    Case(
+        "tokens-given-text-even",
+        ["data.source=tokens", "data.path={tmp}/b.txt"],
+        "beyond the vocabulary",
+        _write("b.txt", TEXT.encode()),
+    ),
+    Case(
+        "tokens-uint32-odd-size",
+        ["data.source=tokens", "data.path={tmp}/c.bin", "data.token_dtype=uint32"],
+        "not a whole number of uint32 token ids",
+        _tokens("c.bin", np.arange(4001)),
+    ),
+    Case("text-missing-file", ["data.source=text", "data.path={tmp}/nope.txt"], "data.path: no such file"),
+    Case(
+        "text-empty-file",
+        ["data.source=text", "data.path={tmp}/e.txt"],
+        "is empty (0 bytes)",
+        _write("e.txt", b""),
+    ),
+    Case(
+        "text-too-short",
+        ["data.source=text", "data.path={tmp}/s.txt"],
+        "too few for a train/validation split",
+        _write("s.txt", b"hello world\n"),
+    ),
+    Case(
+        "tokenizer-missing",
+        ["data.source=text", "data.path={tmp}/t.txt", "data.tokenizer={tmp}/tok.json"],
+        "data.tokenizer: no such file",
+        _write("t.txt", TEXT.encode()),
+    ),
+    Case(
+        "tokenizer-with-tokens",
+        ["data.source=tokens", "data.path={tmp}/t.bin", "data.tokenizer={tmp}/t.bin"],
+        "data.tokenizer is only used with data.source=text",
+        _tokens("t.bin", np.arange(4000) % 200),
+    ),
+    # ------------------------------------------------------------------ checkpoints
+    Case("resume-missing", ["trainer.resume={tmp}/nope"], "trainer.resume: '"),
+    Case(
+        "resume-dir-without-checkpoints",
+        ["trainer.resume={tmp}/emptydir"],
+        "no checkpoint at",
+        lambda tmp, ck: (tmp / "emptydir").mkdir(),
+    ),
+    Case(
+        "resume-truncated-shard", [f"trainer.resume={CK}"], "the file is truncated", _copy_ck(_truncate_shard)
+    ),
+    Case(
+        "resume-corrupted-bytes",
+        [f"trainer.resume={CK}"],
+        "is corrupted: its SHA-256 does not match",
+        _copy_ck(_flip_byte),
+    ),
+    Case(
+        "resume-garbled-manifest",
+        [f"trainer.resume={CK}/step_00000002"],
+        "manifest.json is damaged",
+        _copy_ck(_garble_manifest),
+    ),
+    Case(
+        "resume-other-model-shape",
+        [f"trainer.resume={CK}", "model.hidden_size=32"],
+        "'wte.weight': the checkpoint has shape (256, 64), the model has (256, 32)",
+        _copy_ck(),
+    ),
+    Case(
+        "resume-other-vocab",
+        [f"trainer.resume={CK}", "data.vocab_size=200"],
+        "the checkpoint has shape (256, 64), the model has (200, 64)",
+        _copy_ck(),
+    ),
+    Case(
+        "auto-resume-corrupted-only-checkpoint",
+        ["trainer.resume=auto"],
+        "the file is truncated",
+        _copy_ck(_truncate_shard, into="own"),
+        run_name="own",
+    ),
+    Case(
+        "resume-never-over-checkpoints",
+        ["trainer.resume=never"],
+        "holds checkpoints of an earlier run",
+        _copy_ck(into="own"),
+        run_name="own",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> Path:
+    """A tiny run of 2 steps with one checkpoint (step 2), made once for the module."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    assert main(run_args(run_dir, "checkpoint.every_n_steps=2", "checkpoint.keep_last=1")) == 0
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
+    return run_dir
+
+
+def test_enough_cases():
+    assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, tmp_path, checkpointed, capsys):
+    if case.setup is not None:
+        case.setup(tmp_path, checkpointed)
+    before = tree_digest(tmp_path)
+    base = tree_digest(checkpointed)
+    run_dir = tmp_path / case.run_name
+    args = [a.format(tmp=tmp_path, ck=checkpointed) for a in case.args]
+    code = main(run_args(run_dir, *args))
+    out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in err and "Traceback" not in out
+    assert err.startswith("fp8shard.train: error: ") and case.expect in err, err
+    assert len(err.splitlines()) <= 10  # one message (a mismatch lists a few parameters), then the hint
+    assert tree_digest(tmp_path) == before  # nothing written: no run directory, no file changed
+    assert tree_digest(checkpointed) == base
