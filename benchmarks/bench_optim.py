@@ -20,15 +20,20 @@ and memory are the point.
 
 GPU mode (one CUDA device, world size 1, no forward): ``step()`` of DistributedFusedAdam on
 FP8 weights (bf16 grads) and on bf16 weights, vs ``torch.optim.AdamW(fused=True)`` on fp32,
-vs a device-to-device copy. Effective bandwidth counts the minimum bytes a step must move:
-DFA-FP8 27 B/param (grad 2 read, master 4+4, m 4+4, v 4+4, FP8 weight 1 written), DFA-bf16 28,
-AdamW fp32 28 (param 4+4, grad 4, m 4+4, v 4+4); the copy counts bytes read + written.
+vs a device-to-device copy. Each DistributedFusedAdam variant runs on the PyTorch path
+(FP8SHARD_TRITON=0: fp32 grad copy, torch's fused Adam kernel, amax, cast chain) and on the
+fused Triton step ("triton": [Note: fused step] in fp8shard/optim/fused_step.py), the FP8 one
+with current and with delayed weight scaling. Effective bandwidth counts the minimum bytes a
+step must move: DFA-FP8 27 B/param (grad 2 read, master 4+4, m 4+4, v 4+4, FP8 weight 1
+written), DFA-bf16 28, AdamW fp32 28 (param 4+4, grad 4, m 4+4, v 4+4); the copy counts bytes
+read + written. "x AdamW" is the speed per parameter relative to AdamW(fused=True) (1.0: as fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -210,44 +215,72 @@ def _fake_backward(params: list[nn.Parameter]) -> None:
     loss.backward()
 
 
+# (row, weights, bytes per param, FP8SHARD_TRITON, FP8 weight scaling)
+GPU_VARIANTS = [
+    ("dfa fp8", "fp8", 27, "0", "current"),
+    ("dfa fp8 triton", "fp8", 27, "1", "current"),
+    ("dfa fp8 triton delayed", "fp8", 27, "1", "delayed"),
+    ("dfa bf16", "bf16", 28, "0", "current"),
+    ("dfa bf16 triton", "bf16", 28, "1", "current"),
+    ("adamw fused fp32", "fp32", 28, None, None),
+]
+
+
 def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA")
     n = int(args.params_m * 1e6)
     rows = []
-    for name, weights, bytes_per_param in (("dfa fp8", "fp8", 27), ("dfa bf16", "bf16", 28),
-                                           ("adamw fused fp32", "fp32", 28)):
+    saved = os.environ.get("FP8SHARD_TRITON")
+    for name, weights, bytes_per_param, triton, scaling in GPU_VARIANTS:
         params = _gpu_params(n, weights)
         count = sum(p.numel() for p in params)
-        if name.startswith("dfa"):
-            opt: torch.optim.Optimizer = DistributedFusedAdam(params, lr=1e-4, weight_decay=0.01)
+        if triton is not None:
+            os.environ["FP8SHARD_TRITON"] = triton  # read by every step()
+            os.environ["FP8SHARD_FUSED_ADAM"] = "1"  # the optimizer's opt-in to its fused step
+            opt: torch.optim.Optimizer = DistributedFusedAdam(params, lr=1e-4, weight_decay=0.01,
+                                                              fp8_weight_scaling=scaling)
         else:
             opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         times = []
-        for it in range(args.warmup + args.reps):
-            _fake_backward(params)  # untimed: fills DFA's gradient buffers / param.grad
-            torch.cuda.synchronize()
-            t = _cuda_time(opt.step, 0, 1)
-            opt.zero_grad(set_to_none=True)
-            if it >= args.warmup:
-                times.append(t)
+        try:
+            for it in range(args.warmup + args.reps):
+                _fake_backward(params)  # untimed: fills DFA's gradient buffers / param.grad
+                torch.cuda.synchronize()
+                t = _cuda_time(opt.step, 0, 1)
+                opt.zero_grad(set_to_none=True)
+                if it >= args.warmup:
+                    times.append(t)
+            fused = getattr(opt, "_fused", None) is not None
+        finally:
+            if saved is None:
+                os.environ.pop("FP8SHARD_TRITON", None)
+            else:
+                os.environ["FP8SHARD_TRITON"] = saved
+        if triton == "1" and not fused:
+            print(f"note: {name}: the Triton path did not run (is triton installed?)")
         sec = statistics.median(times)
         rows.append({"variant": name, "params": count, "step_s": sec, "bytes_per_param": bytes_per_param,
                      "effective_TBps": bytes_per_param * count / sec / 1e12,
-                     "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9})
+                     "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9,
+                     "triton": triton == "1" and fused, "fp8_weight_scaling": scaling})
         del opt, params
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    adamw = next(r for r in rows if r["variant"] == "adamw fused fp32")
+    for r in rows:
+        r["x_adamw_fused"] = (adamw["step_s"] / adamw["params"]) / (r["step_s"] / r["params"])
     src = torch.empty(n, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     sec = _cuda_time(lambda: dst.copy_(src), args.warmup, args.reps)
     rows.append({"variant": "copy ceiling", "params": n, "step_s": sec, "bytes_per_param": 8,
                  "effective_TBps": 8 * n / sec / 1e12, "peak_mem_GB": None})
     print(f"\n{torch.cuda.get_device_name()}, {n / 1e6:.0f}M params, median of {args.reps}")
-    print(f"{'variant':<18} {'step ms':>9} {'B/param':>8} {'TB/s':>7}")
+    print(f"{'variant':<24} {'step ms':>9} {'B/param':>8} {'TB/s':>7} {'x AdamW':>8}")
     for r in rows:
-        print(f"{r['variant']:<18} {r['step_s'] * 1e3:9.3f} {r['bytes_per_param']:8d} "
-              f"{r['effective_TBps']:7.2f}")
+        rel = f"{r['x_adamw_fused']:8.2f}" if "x_adamw_fused" in r else f"{'':>8}"
+        print(f"{r['variant']:<24} {r['step_s'] * 1e3:9.3f} {r['bytes_per_param']:8d} "
+              f"{r['effective_TBps']:7.2f} {rel}")
     return {"mode": "gpu", "device": torch.cuda.get_device_name(), "rows": rows}
 
 

@@ -2,10 +2,26 @@
 
     python benchmarks/bench_quantize.py [--device cpu|cuda] [--quick] [--out FILE.json]
 
-Bytes counted per element: quantize reads the high-precision input twice in eager mode
-(amax, then cast) but we count the minimum, one read + one FP8 write; dequantize reads one
-byte and writes the high-precision value. The copy row is a same-size device-to-device copy,
-counting bytes read + written.
+Each cast is timed on two paths in one run ([Note: fused cast] in fp8shard/fp8/fused.py):
+``reference`` calls the eager reference functions directly (what ``FP8SHARD_TRITON=0`` runs),
+``triton`` the dispatch functions (the Triton kernels on CUDA; the rows are left out where the
+Triton path does not serve, e.g. on CPU). Rows, all E4M3:
+
+* ``current``: ``quantize_current`` (amax, scale from it, cast);
+* ``delayed``: ``quantize_with_scale`` with a given scale, amax folded into a running amax;
+* ``current+T``: ``quantize_current(transpose=True)``, also writing the bytes of xᵀ;
+* ``Float8Tensor.quantize`` (the public entry, whichever path it takes) and ``dequantize``.
+
+Bytes counted per element, the minimum each op must move: ``current`` and ``delayed`` read the
+input once and write one FP8 byte (``es + 1``; current scaling really reads the input twice, amax
+then cast, which the count leaves out), ``current+T`` writes two FP8 bytes (``es + 2``),
+dequantize reads one byte and writes ``es``. The copy row is a same-size device-to-device copy
+counting bytes read + written. Each timing runs over several input buffers in turn (more bytes
+than L2 holds) so a call never finds its input in cache from the previous call.
+
+On CUDA two timings per row: ``ms``/``GB/s`` of eager calls back to back (host overhead included:
+a Triton call costs 60-120 us of host time on the H200 machine's CPU, more than the GPU time of
+a 4096x4096 cast) and ``graph`` of the same calls captured in a CUDA graph (GPU time alone).
 """
 
 from __future__ import annotations
@@ -17,12 +33,50 @@ import platform
 import torch
 
 import fp8shard as fs
-from timing import median_seconds
+from fp8shard._triton import use_triton
+from fp8shard.fp8 import fused
+from timing import cuda_graph, median_seconds
+
+FMT = fs.Fp8Format.E4M3
+L2_BYTES = 64 << 20
 
 
 def _time(fn, device: str, reps: int) -> float:
     """Median seconds of ``fn``."""
     return median_seconds(fn, device, warmup=3, reps=reps)
+
+
+def _time_graph(fn, reps: int) -> float | None:
+    """CUDA only: median seconds of ``fn`` captured in a CUDA graph (GPU time, no host overhead)."""
+    try:
+        g = cuda_graph(fn)
+    except Exception:  # a case that cannot be captured gets no graph figure
+        return None
+    return median_seconds(g.replay, "cuda", warmup=3, reps=reps)
+
+
+def _cases(xs: list[torch.Tensor]) -> dict[str, tuple]:
+    """name -> (path, function over all buffers, bytes per buffer)."""
+    x = xs[0]
+    n, es = x.numel(), x.element_size()
+    scale = torch.tensor(0.5, device=x.device)
+    running = torch.zeros((), device=x.device)
+    t8s = [fs.Float8Tensor.quantize(x) for x in xs]
+    dsts = [torch.empty_like(x) for x in xs]
+    cases = {"copy (ceiling)": ("", lambda: [d.copy_(x) for d, x in zip(dsts, xs, strict=True)], 2 * n * es)}
+    paths = {"reference": (fused.reference_quantize_current, fused.reference_quantize_with_scale)}
+    if use_triton(x):
+        paths["triton"] = (fused.quantize_current, fused.quantize_with_scale)
+    for path, (current, with_scale) in paths.items():
+        cases[f"current [{path}]"] = (path, lambda c=current: [c(x, FMT) for x in xs], n * es + n)
+        cases[f"delayed [{path}]"] = (
+            path, lambda w=with_scale: [w(x, scale, FMT, amax_out=running) for x in xs], n * es + n)
+        if x.dim() == 2:
+            cases[f"current+T [{path}]"] = (
+                path, lambda c=current: [c(x, FMT, transpose=True) for x in xs], n * es + 2 * n)
+    cases["Float8Tensor.quantize"] = ("", lambda: [fs.Float8Tensor.quantize(x, FMT) for x in xs], n * es + n)
+    cases["dequantize"] = ("", lambda: [t.dequantize() for t in t8s], n + n * es)
+    return cases
 
 
 def main() -> None:
@@ -37,28 +91,30 @@ def main() -> None:
     rows = []
     for shape in shapes:
         for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(shape, dtype=dtype, device=dev)
-            n, es = x.numel(), x.element_size()
-            t8 = fs.Float8Tensor.quantize(x)
-            dst = torch.empty_like(x)
-            cases = {
-                "copy (ceiling)": (lambda x=x, dst=dst: dst.copy_(x), 2 * n * es),
-                "quantize": (lambda x=x: fs.Float8Tensor.quantize(x), n * es + n),
-                "dequantize": (lambda t8=t8: t8.dequantize(), n + n * es),
-            }
-            for name, (fn, nbytes) in cases.items():
-                sec = _time(fn, dev, reps)
-                rows.append({"op": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                             "ms": sec * 1e3, "GB_per_s": nbytes / sec / 1e9})
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            nbuf = 1 if dev == "cpu" else max(2, min(8, -(-3 * L2_BYTES // nbytes)))
+            xs = [torch.randn(shape, dtype=dtype, device=dev) for _ in range(nbuf)]
+            for name, (path, fn, nb) in _cases(xs).items():
+                sec = _time(fn, dev, reps) / nbuf
+                row = {"op": name, "path": path, "shape": list(shape),
+                       "dtype": str(dtype).removeprefix("torch."), "buffers": nbuf,
+                       "ms": sec * 1e3, "GB_per_s": nb / sec / 1e9}
+                graph = _time_graph(fn, reps) if dev == "cuda" else None
+                if graph is not None:
+                    row["graph_ms"], row["graph_GB_per_s"] = graph / nbuf * 1e3, nb * nbuf / graph / 1e9
+                rows.append(row)
+            del xs
     copy_bw = {(tuple(r["shape"]), r["dtype"]): r["GB_per_s"] for r in rows if r["op"].startswith("copy")}
     name = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
     print(f"device={dev} ({name}), torch {torch.__version__}")
-    print(f"{'op':<16}{'shape':>14}{'dtype':>10}{'ms':>10}{'GB/s':>10}{'of copy':>9}")
+    print(f"{'op':<24}{'shape':>12}{'dtype':>10}{'ms':>10}{'GB/s':>10}{'of copy':>9}"
+          + (f"{'graph ms':>10}{'GB/s':>10}" if dev == "cuda" else ""))
     for r in rows:
         frac = r["GB_per_s"] / copy_bw[(tuple(r["shape"]), r["dtype"])]
         r["fraction_of_copy"] = frac
-        print(f"{r['op']:<16}{'x'.join(map(str, r['shape'])):>14}{r['dtype']:>10}{r['ms']:>10.3f}"
-              f"{r['GB_per_s']:>10.1f}{frac:>9.2f}")
+        graph = (f"{r['graph_ms']:>10.3f}{r['graph_GB_per_s']:>10.1f}" if "graph_ms" in r else "")
+        print(f"{r['op']:<24}{'x'.join(map(str, r['shape'])):>12}{r['dtype']:>10}{r['ms']:>10.3f}"
+              f"{r['GB_per_s']:>10.1f}{frac:>9.2f}{graph}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -32,3 +32,19 @@ def median_seconds(fn: Callable[[], object], device: str = "cpu", warmup: int = 
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph (after a warm-up call, and one on a side stream as capture
+    wants); replaying it times the GPU work alone, without host overhead."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g

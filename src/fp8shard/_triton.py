@@ -7,6 +7,8 @@ specification: the tests compare the two. A Triton kernel serves a call only whe
 * the tensors are on a CUDA device;
 * we are not being traced by ``torch.compile`` (Inductor fuses the reference path itself);
 * the environment does not say ``FP8SHARD_TRITON=0`` (to measure or debug the reference path).
+
+The optimizer's fused step also needs ``FP8SHARD_FUSED_ADAM=1`` (``fused_adam_enabled``).
 """
 
 from __future__ import annotations
@@ -20,19 +22,33 @@ import torch
 @functools.cache
 def triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:  # ImportError, or a broken install: fall back to the reference path
         return False
     return True
 
 
+def _env_flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on")
+
+
 def triton_enabled() -> bool:
     """Whether the environment allows the Triton kernels (``FP8SHARD_TRITON``, default on)."""
-    value = os.environ.get("FP8SHARD_TRITON", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"FP8SHARD_TRITON must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on")
+    return _env_flag("FP8SHARD_TRITON", "1")
+
+
+def fused_adam_enabled() -> bool:
+    """Whether ``DistributedFusedAdam`` may take its fused Triton step (``FP8SHARD_FUSED_ADAM``).
+
+    Default off: those kernels are checked on the CPU under Triton's interpreter but have not
+    yet run compiled on a GPU (docs/optimizer.md, "Fused Triton step"). ``FP8SHARD_TRITON=0``
+    turns them off too.
+    """
+    return _env_flag("FP8SHARD_FUSED_ADAM", "0")
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

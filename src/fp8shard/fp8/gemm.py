@@ -16,7 +16,9 @@ for every call of a shape and can be folded into a ``torch.compile`` graph as a 
   dequantized and multiplied in fp32: same rounding of the inputs, high-precision product.
 
 A path other than ``"scaled_mm"`` is reported once per process and reason (``warnings`` and
-``logging``), because it costs speed, not correctness.
+``logging``), because it costs speed, not correctness. Under ``torch.compile`` the report and
+the device query run once, while the graph is traced (``assume_constant_result``): no graph
+break, and the path is a constant of the graph.
 """
 
 from __future__ import annotations
@@ -50,19 +52,23 @@ def force_gemm_path(path: str | None) -> Iterator[None]:
         _forced_path = previous
 
 
-def _report_once(reason: str, message: str) -> None:
-    if reason in _reported or torch.compiler.is_compiling():
-        return
-    _reported.add(reason)
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+@torch.compiler.assume_constant_result
+def _report_once(reason: str, message: str) -> bool:
+    # Under torch.compile this runs (natively) while the graph is traced, so a compiled first
+    # call reports too, and logging/warnings cause no graph break.
+    if reason not in _reported:
+        _reported.add(reason)
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return True
 
 
 _FP8_CAPABLE: dict[int, bool] = {}
 
 
+@torch.compiler.assume_constant_result
 def _cuda_fp8_capable(device_index: int) -> bool:
-    # Cached, so that under torch.compile this is a dict read (a guard), not a driver query.
+    # Cached; under torch.compile a constant of the graph (the driver query would break it).
     if device_index not in _FP8_CAPABLE:
         _FP8_CAPABLE[device_index] = torch.cuda.get_device_capability(device_index) >= (8, 9)
     return _FP8_CAPABLE[device_index]

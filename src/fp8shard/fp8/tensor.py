@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
+from fp8shard.fp8.cast import cast_from_fp8
 from fp8shard.fp8.formats import Fp8Format
-from fp8shard.fp8.scaling import amax as compute_amax
-from fp8shard.fp8.scaling import scale_from_amax
+from fp8shard.fp8.fused import quantize_current, quantize_with_scale
 
 _NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -82,11 +81,15 @@ class Float8Tensor(torch.Tensor):
         requires_grad: bool = False,
         meta: _Fp8Meta | None = None,
     ) -> Float8Tensor:
+        # The wrapper's storage offset is always 0, whatever ``_data``'s: the bytes may be
+        # re-pointed into a bucket buffer later (DistributedFusedAdam), and torch.compile
+        # rebuilds the wrapper from fake bytes through ``__tensor_unflatten__``; an offset that
+        # followed the bytes would then differ from the live wrapper's and fail the compile.
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
             strides=data.stride(),
-            storage_offset=data.storage_offset(),
+            storage_offset=0,
             dtype=dtype,
             device=data.device,
             requires_grad=requires_grad,
@@ -122,12 +125,12 @@ class Float8Tensor(torch.Tensor):
                 f"(float32, bfloat16 or float16), e.g. x.float()"
             )
         fmt = Fp8Format.parse(fp8_format)
+        # [Note: fused cast]: one Triton pass (two for current scaling) on CUDA, else eager.
         if scale is None:
-            scale_t = scale_from_amax(compute_amax(x), fmt.max)
+            cast = quantize_current(x.detach(), fmt)
         else:
-            scale_t = _check_scale(scale, x)
-        data = cast_to_fp8(x.detach(), scale_t, fmt)
-        return cls(data, scale_t.reciprocal(), fmt, x.dtype)
+            cast = quantize_with_scale(x.detach(), _check_scale(scale, x), fmt)
+        return cls(cast.data, cast.scale_inv, fmt, x.dtype)
 
     def _rewrap(self, data: torch.Tensor, share: bool = True) -> Float8Tensor:
         """A wrapper of ``data`` with this tensor's scale (shared when ``share``)."""
@@ -201,20 +204,23 @@ class Float8Tensor(torch.Tensor):
         ``scale=None``: current scaling from ``amax(x)``, keeping the previous scale when that
         amax is zero or non-finite. The tensor object, its storage and its scale tensor stay.
         """
-        if scale is None:
-            scale = scale_from_amax(compute_amax(x), self._fp8_format.max, self._scale_inv.reciprocal())
-        cast_to_fp8(x, scale, self._fp8_format, out=self._data)
-        self._scale_inv.copy_(scale.reshape(()).reciprocal())
+        if scale is None:  # [Note: fused cast]
+            cast = quantize_current(x, self._fp8_format, prev_scale_inv=self._scale_inv, out=self._data)
+        else:
+            cast = quantize_with_scale(x, scale, self._fp8_format, out=self._data)
+        self._scale_inv.copy_(cast.scale_inv)
         self._meta.bytes_changed()
         return self
 
     # ------------------------------------------------------------------ python protocol
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return (
-            f"Float8Tensor(fp8_format={self._fp8_format.name}, dtype={self.dtype}, "
-            f"shape={tuple(self.shape)}, device={self.device}, "
-            f"scale_inv={self._scale_inv.item():.6g}, value={self.dequantize()!r})"
-        )
+        head = (f"Float8Tensor(fp8_format={self._fp8_format.name}, dtype={self.dtype}, "
+                f"shape={tuple(self.shape)}, device={self.device}")
+        if _has_no_values(self._data) or _has_no_values(self._scale_inv):
+            # [Note: compile] torch.compile formats its fake inputs (torch 2.11 does so while
+            # compiling, logging or not): reading a value there fails the whole compilation.
+            return head + ")"
+        return f"{head}, scale_inv={self._scale_inv.item():.6g}, value={self.dequantize()!r})"
 
     def __deepcopy__(self, memo: dict) -> Float8Tensor:
         if id(self) in memo:
@@ -252,6 +258,13 @@ class Float8Tensor(torch.Tensor):
         from fp8shard.fp8.ops import dispatch
 
         return dispatch(func, args, kwargs or {})
+
+
+def _has_no_values(t: torch.Tensor) -> bool:
+    """A tensor being traced (fake or functional) or on the meta device: no values to read."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t) or torch._is_functional_tensor(t)
 
 
 def _rebuild_float8_tensor(

@@ -12,6 +12,12 @@ One step, top to bottom (the data flow of docs/design.md, section 1):
 The pieces live in their own modules: layout (pure arithmetic), buffers (the tensors), hooks
 (gradient and forward hooks), collectives (the only torch.distributed caller), adam (the math),
 fp8_weights (amax, scale, cast) and state_dict (model-space checkpoints).
+
+On CUDA with Triton (``fp8shard._triton.use_triton``) and ``FP8SHARD_FUSED_ADAM=1`` (default off
+until the kernels have run on a GPU), steps 3-4 run as the fused step of
+fused_step.py ([Note: fused step]): one pass reads the bf16 gradient shard in place (no fp32
+copy) and updates master and states, writing each tile's amax (and, with delayed scaling, the
+FP8 bytes); with current scaling a second pass casts after the amax all-reduce.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8shard._triton import fused_adam_enabled, use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
 from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers, storage_dtype
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
+from fp8shard.optim.fused_step import AdamScalars, FusedStep
 from fp8shard.optim.hooks import GradSync, ParamSync
 from fp8shard.optim.layout import ParamSpec, build_layout
 from fp8shard.optim.state_dict import (
@@ -111,6 +119,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_sync = ParamSync(self.regions, self.group, self._on_param_ready)
         self._runs = self._adam_runs()
         self._grads: list[torch.Tensor] | None = None  # fp32 grad shards of this step
+        # The fused step ([Note: fused step]): None lets use_triton() decide at each step (tests
+        # set True to run its orchestration with the PyTorch reference ops on CPU).
+        self._fused_path: bool | None = None
+        self._fused: FusedStep | None = None  # tile tables, built at the first fused step
+        self._fast = False  # this step's gradients go to the fused step (read in place, no copy)
+        self._grad_coef: torch.Tensor | None = None  # fused step: clip coefficient, applied in-kernel
         self._stats: tuple[torch.Tensor, bool] | None = None  # (global sum of squares, non-finite)
         if module is not None:
             self.register_module(module)
@@ -204,16 +218,35 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.param_sync.launch_all()  # 5. all-gather every bucket in place
             if not self.overlap_param_sync:
                 self.param_sync.wait_all()
-        self._grads, self._stats = None, None
+        self._grads, self._stats, self._grad_coef = None, None, None
         self.grad_sync.reset()  # the buffers are consumed; next backward starts from zero
         self._last_comm = self._comm.close_window()
         return loss
 
     def _reduced_grads(self) -> list[torch.Tensor]:
+        """This step's gradients: fp32 copies of the shards, or for the fused step the gradient
+        buffers themselves (its kernel reads this rank's shards in place)."""
         if self._grads is None:
             self.grad_sync.finish()
-            self._grads = [rb.grad_shard_fp32() for rb in self.regions]
+            self._fast = self._use_fused()
+            self._grad_coef = None
+            if self._fast:
+                self._grads = [rb.grad_buffer for rb in self.regions]
+            else:
+                self._grads = [rb.grad_shard_fp32() for rb in self.regions]
         return self._grads
+
+    def _use_fused(self) -> bool:
+        if self._fused_path is not None:
+            return self._fused_path
+        return fused_adam_enabled() and use_triton(self.regions[0].master)
+
+    def _fused_step(self) -> FusedStep:
+        if self._fused is None:
+            group_of = {self._index_of[id(p)]: g for g, grp in enumerate(self.param_groups)
+                        for p in grp["params"]}
+            self._fused = FusedStep(self.regions, group_of, self.fp8.slot)
+        return self._fused
 
     def _grad_stats(self) -> tuple[torch.Tensor, bool]:
         """(global sum of squares of the averaged gradient, whether it is non-finite).
@@ -225,14 +258,24 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self._stats is None:
             grads = self._reduced_grads()
             local = torch.zeros(1, dtype=torch.float32, device=self.device)
-            for g in grads:
-                if g.numel():
-                    local += torch.linalg.vector_norm(g).square()
+            if self._fast:  # the shards in place, upcast inside the norm kernel
+                shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
+                          for b in rb.layout.buckets]
+                norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
+                local += torch.stack(norms).square().sum()
+            else:
+                for g in grads:
+                    if g.numel():
+                        local += torch.linalg.vector_norm(g).square()
             self.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
             self._stats = (local[0], not bool(torch.isfinite(local[0])))
         return self._stats
 
     def _update_master(self, grads: list[torch.Tensor]) -> None:
+        if self._fast:  # kernel 1: Adam + tile amax (+ the cast when the scales are known)
+            scalars = [AdamScalars.from_group(g, self._step, self.adam_w_mode) for g in self.param_groups]
+            self._fused_step().update(self.regions, scalars, self._grad_coef, self.fp8.known_scales())
+            return
         for group, runs in zip(self.param_groups, self._runs, strict=True):
             if not runs:
                 continue
@@ -248,6 +291,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _quantize_shards(self) -> None:
         """Write this rank's shard of every parameter's bytes from the new master."""
         scales = self._new_scale_inv
+        if self._fast:  # non-FP8 parameters were written by kernel 1
+            if self.fp8.num_slots:
+                fused = self._fused_step()
+                amax = fused.local_amax(self.fp8.num_slots, self.device)
+                self.group.all_reduce(amax, "max", kind="all_reduce.amax")
+                known = self.fp8.known_scales() is not None
+                scales = self.fp8.cast_scales(amax)
+                self._new_scale_inv = scales.reciprocal()
+                if not known:  # current scaling: kernel 2 casts with this step's scales
+                    fused.cast(self.regions, scales)
+            return
         if self.fp8.num_slots:
             amax = self.fp8.local_amax(self.regions)
             self.group.all_reduce(amax, "max", kind="all_reduce.amax")  # [Note: weight scaling]
@@ -287,7 +341,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         total = sumsq.sqrt()
         if not nonfinite:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(self._reduced_grads(), coef)
+            if self._fast:  # the fused kernel multiplies the gradient by it as it reads it
+                self._grad_coef = coef if self._grad_coef is None else self._grad_coef * coef
+            else:
+                torch._foreach_mul_(self._reduced_grads(), coef)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -295,7 +352,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
         if self.grad_sync.dirty or self._grads is not None:
-            self._grads, self._stats = None, None
+            self._grads, self._stats, self._grad_coef = None, None, None
             self.grad_sync.reset()
 
     @property

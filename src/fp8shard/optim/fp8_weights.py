@@ -86,6 +86,13 @@ class Fp8WeightScaler:
                                                  dtype=torch.long, device=rb.master.device)
         return self._slot_cache[key]
 
+    def known_scales(self) -> torch.Tensor | None:
+        """The scales this step's cast will use, when they are known before this step's amax
+        (delayed scaling: the history's scale from before step t), else None (current scaling
+        needs the global amax of the new master first). The fused step casts in its Adam pass
+        when they are known ([Note: fused step])."""
+        return None if self.history is None else self.history.scale
+
     def cast_scales(self, global_amax: torch.Tensor) -> torch.Tensor:
         """The scales to cast this step's master with (and advance the scaling state)."""
         if self.history is None:

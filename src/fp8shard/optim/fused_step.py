@@ -1,0 +1,342 @@
+"""The fused optimizer step: tile tables, the dispatch to the Triton kernels, and their reference.
+
+[Note: fused step]
+    On CUDA with Triton (``fp8shard._triton.use_triton``) the optimizer step on a region is two
+    passes over the local shard instead of about ten:
+
+      kernel 1 (``adam_tiles_``)  reads master, exp_avg, exp_avg_sq (fp32 or 16-bit) and this
+                  rank's gradient shard straight from the bucket buffer (bf16 or fp32: no fp32 copy);
+                  writes master, exp_avg, exp_avg_sq; FP8 regions: the tile's amax of the NEW master
+                  into ``partial_amax[tile]``, and with delayed scaling (the scale of step t is
+                  known before step t) also the FP8 bytes (27 B/param with a bf16 gradient);
+                  other regions: the parameter shard in its dtype (``master.to(dtype)``).
+      kernel 2 (``cast_tiles_``)  current scaling: after the one amax all-reduce, reads master and
+                  writes the FP8 bytes with each parameter's scale (5 B/param).
+
+    Both walk a *tile table* (``TileTable``), built once per region: this rank's pieces
+    ([Note: shard layout]) cut into tiles of at most ``block`` elements that never cross a piece,
+    so each tile belongs to one parameter (one FP8 scale slot, one param group). One Triton program
+    handles one tile: it knows its slot's scale and writes its own partial amax (no atomics); a
+    ``scatter_reduce(amax)`` over tiles gives the per-slot amaxes. Padding is never touched.
+
+    The arithmetic is ``adam.adam_``'s reference formulas op by op in fp32 (IEEE sqrt and
+    division, the fused multiply-adds where PyTorch's CUDA foreach kernels use them), the cast is
+    ``cast_to_fp8`` (x * scale in fp32, clamp to +-max keeping NaN, round to nearest even, as
+    c10's conversion), and the amax is exact. Every op here has a PyTorch reference
+    implementation (``_*_reference``), used where Triton is not (CPU; ``FP8SHARD_TRITON=0``), which
+    reproduces what ``adam_``, ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fp8shard._triton import use_triton
+from fp8shard.fp8 import Fp8Format, cast_to_fp8
+from fp8shard.optim.adam import adam_
+from fp8shard.optim.buffers import RegionBuffers
+from fp8shard.optim.layout import ShardPiece
+
+DEFAULT_BLOCK = 2048
+"""Elements per tile (one Triton program). A power of two."""
+
+# What kernel 1 writes besides master and states (``out_mode``).
+OUT_NONE = 0  # nothing
+OUT_AMAX = 1  # FP8 region, current scaling: the tile amax (the cast waits for the global amax)
+OUT_AMAX_CAST = 2  # FP8 region, delayed scaling: the tile amax and the FP8 bytes
+OUT_PARAM = 3  # other regions: the parameter shard in the buffer's dtype
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (nearest even), as PyTorch rounds a Python scalar for an fp32 op."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ============================================================================ tile table
+@dataclasses.dataclass(frozen=True)
+class TileTable:
+    """Tiles of one region's local shard, sorted by (param group, local offset).
+
+    Tile t covers master[local_start[t] : local_start[t] + numel[t]] and the same elements of the
+    region's parameter and gradient buffers at param_start[t] (this rank's shard of a bucket).
+    """
+
+    block: int
+    local_start: torch.Tensor
+    """int64 (tiles,): offset in master / exp_avg / exp_avg_sq (this rank's concatenated shards)."""
+    param_start: torch.Tensor
+    """int64 (tiles,): offset in param_buffer / grad_buffer (region coordinates)."""
+    numel: torch.Tensor
+    """int32 (tiles,): 1..block."""
+    slot: torch.Tensor
+    """int64 (tiles,): the FP8 scale slot of the tile's parameter, -1 for a non-FP8 parameter."""
+    param_index: torch.Tensor
+    """int64 (tiles,): the tile's parameter (optimizer index)."""
+    group_ranges: tuple[tuple[int, int, int], ...]
+    """(param group, first tile, end tile) for each group with tiles, in group order."""
+    align: int
+    """Largest power of two <= 16 dividing every tile's local and param start (a kernel hint)."""
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.local_start.numel())
+
+    def to(self, device: torch.device | str) -> TileTable:
+        move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **move)
+
+    def spans(self, first: int = 0, end: int | None = None) -> list[tuple[int, int, int, int]]:
+        """Tiles ``[first, end)`` merged back into maximal runs of one parameter:
+        (local_start, param_start, numel, slot) each (host lists; for the reference path)."""
+        end = self.num_tiles if end is None else end
+        lo = self.local_start[first:end].tolist()
+        po = self.param_start[first:end].tolist()
+        n = self.numel[first:end].tolist()
+        sl = self.slot[first:end].tolist()
+        pi = self.param_index[first:end].tolist()
+        out: list[list[int]] = []
+        last_pi = None
+        for a, b, c, s, i in zip(lo, po, n, sl, pi, strict=True):
+            if out and last_pi == i and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+                out[-1][2] += c
+            else:
+                out.append([a, b, c, s])
+            last_pi = i
+        return [(a, b, c, s) for a, b, c, s in out]
+
+
+def build_tile_table(
+    pieces: Sequence[ShardPiece],
+    group_of: Mapping[int, int],
+    slot_of: Mapping[int, int],
+    block: int = DEFAULT_BLOCK,
+    device: torch.device | str = "cpu",
+) -> TileTable:
+    """Cut ``pieces`` into tiles of at most ``block`` elements that never cross a piece.
+
+    ``group_of`` maps a parameter index to its param group, ``slot_of`` to its FP8 scale slot
+    (parameters missing from it get -1). Pure arithmetic on host tensors; moved to ``device``.
+    """
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    order = sorted((pc for pc in pieces if pc.numel > 0),
+                   key=lambda pc: (group_of[pc.param_index], pc.local_offset))
+    i64 = torch.int64
+    counts = torch.tensor([-(-pc.numel // block) for pc in order], dtype=i64)
+    which = torch.repeat_interleave(torch.arange(len(order), dtype=i64), counts)
+    first = torch.cumsum(counts, 0) - counts
+    k = torch.arange(int(counts.sum()), dtype=i64) - first[which]
+    off = k * block
+
+    def per_piece(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=i64)[which] if order else torch.zeros(0, dtype=i64)
+
+    local = per_piece([pc.local_offset for pc in order]) + off
+    param = per_piece([pc.region_offset for pc in order]) + off
+    numel = torch.clamp(per_piece([pc.numel for pc in order]) - off, max=block).to(torch.int32)
+    slot = per_piece([slot_of.get(pc.param_index, -1) for pc in order])
+    index = per_piece([pc.param_index for pc in order])
+    group = per_piece([group_of[pc.param_index] for pc in order])
+    ranges = []
+    if order:
+        gs, cnt = torch.unique_consecutive(group, return_counts=True)
+        start = 0
+        for g, c in zip(gs.tolist(), cnt.tolist(), strict=True):
+            ranges.append((int(g), start, start + int(c)))
+            start += int(c)
+    align = math.gcd(16, block)  # tile starts are piece starts plus multiples of block
+    for pc in order:
+        align = math.gcd(align, pc.local_offset, pc.region_offset)
+    return TileTable(block, local.to(device), param.to(device), numel.to(device), slot.to(device),
+                     index.to(device), tuple(ranges), align)
+
+
+# ============================================================================ the scalars
+@dataclasses.dataclass(frozen=True)
+class AdamScalars:
+    """One param group's hyperparameters for one step, and the fp32 constants kernel 1 takes.
+
+    The derived constants are computed on the host in double and rounded once to fp32, exactly as
+    ``adam_``'s foreach calls round their Python scalars.
+    """
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adam_w_mode: bool = True
+
+    @classmethod
+    def from_group(cls, group: Mapping, step: int, adam_w_mode: bool) -> AdamScalars:
+        beta1, beta2 = group["betas"]
+        return cls(step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                   float(group["weight_decay"]), adam_w_mode)
+
+    @property
+    def wd_mode(self) -> int:
+        """0: no weight decay, 1: decoupled (AdamW), 2: L2 added to the gradient."""
+        if self.weight_decay == 0:
+            return 0
+        return 1 if self.adam_w_mode else 2
+
+    def kernel_args(self) -> dict[str, float]:
+        t = self.step
+        return {
+            "decay": _f32(1 - self.lr * self.weight_decay),
+            "weight_decay": _f32(self.weight_decay),
+            "lerp_w": _f32(1 - self.beta1),
+            "beta2": _f32(self.beta2),
+            "one_minus_beta2": _f32(1 - self.beta2),
+            "bc2_sqrt": _f32((1 - self.beta2**t) ** 0.5),
+            "eps": _f32(self.eps),
+            "neg_step_size": _f32(-(self.lr / (1 - self.beta1**t))),
+        }
+
+    @property
+    def lerp_small(self) -> bool:
+        """Which of torch.lerp's two formulas the moment update uses (|weight| < 0.5)."""
+        return abs(_f32(1 - self.beta1)) < 0.5
+
+
+# ============================================================================ the ops
+def adam_tiles_(
+    rb: RegionBuffers,
+    table: TileTable,
+    scalars: Sequence[AdamScalars],
+    *,
+    out_mode: int,
+    grad_scale: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    partial_amax: torch.Tensor | None = None,
+    fused_reference: bool | None = None,
+) -> None:
+    """Kernel 1 on one region: Adam(W) on every tile, reading the gradient from ``rb.grad_buffer``.
+
+    ``scalars[g]`` are param group g's hyperparameters. ``grad_scale``: a 0-d fp32 tensor the
+    gradient is multiplied by first (the clipping coefficient), or None. ``out_mode``: OUT_AMAX /
+    OUT_AMAX_CAST write ``partial_amax[tile]`` (fp32, one per tile) and, for OUT_AMAX_CAST, the
+    FP8 bytes with ``scale[slot]``; OUT_PARAM writes the parameter shard in the buffer's dtype.
+    ``fused_reference`` is passed to ``adam_`` as ``fused`` on the reference path (None: its
+    default, which is what the optimizer runs without Triton).
+    """
+    if out_mode in (OUT_AMAX, OUT_AMAX_CAST) and (partial_amax is None or not rb.is_fp8):
+        raise ValueError("the amax modes are for FP8 regions and need partial_amax")
+    if out_mode == OUT_AMAX_CAST and scale is None:
+        raise ValueError("OUT_AMAX_CAST needs the scales")
+    if out_mode == OUT_PARAM and rb.is_fp8:
+        raise ValueError("OUT_PARAM is for non-FP8 regions")
+    if table.num_tiles == 0:
+        return
+    if use_triton(rb.master):
+        from fp8shard.optim import triton_adam
+
+        fmt = Fp8Format.parse(rb.dtype) if rb.is_fp8 else None
+        for g, t0, t1 in table.group_ranges:
+            triton_adam.launch_adam(
+                rb.master, rb.exp_avg, rb.exp_avg_sq, rb.grad_buffer, rb.param_buffer, table, t0, t1,
+                scalars[g], out_mode=out_mode, fmt=fmt, grad_scale=grad_scale, scale=scale,
+                partial_amax=partial_amax)
+        return
+    _adam_reference(rb, table, scalars, out_mode, grad_scale, scale, partial_amax, fused_reference)
+
+
+def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor) -> None:
+    """Kernel 2 on one FP8 region: this rank's FP8 bytes from the master, ``scale[slot]`` per tile."""
+    if not rb.is_fp8:
+        raise ValueError("cast_tiles_ is for FP8 regions")
+    if table.num_tiles == 0:
+        return
+    fmt = Fp8Format.parse(rb.dtype)
+    if use_triton(rb.master):
+        from fp8shard.optim import triton_adam
+
+        triton_adam.launch_cast(rb.master, rb.param_buffer, table, scale, fmt)
+        return
+    _cast_reference(rb, table, scale, fmt)
+
+
+def slot_amax(tables: Sequence[TileTable], partials: Sequence[torch.Tensor | None], num_slots: int,
+              device: torch.device) -> torch.Tensor:
+    """Per-slot max of the tiles' partial amaxes (0 for a slot with no tile here): the same
+    ``scatter_reduce(amax)`` that ``Fp8WeightScaler.local_amax`` applies to per-piece amaxes."""
+    out = torch.zeros(num_slots, dtype=torch.float32, device=device)
+    for table, partial in zip(tables, partials, strict=True):
+        if partial is None or table.num_tiles == 0:
+            continue
+        out.scatter_reduce_(0, table.slot, partial, reduce="amax")
+    return out
+
+
+# ============================================================================ reference path
+def _adam_reference(rb: RegionBuffers, table: TileTable, scalars: Sequence[AdamScalars], out_mode: int,
+                    grad_scale: torch.Tensor | None, scale: torch.Tensor | None,
+                    partial_amax: torch.Tensor | None, fused: bool | None) -> None:
+    """What kernel 1 computes, with ``adam_`` (so: what the optimizer computes without Triton)."""
+    for g, t0, t1 in table.group_ranges:
+        spans = table.spans(t0, t1)
+        sl = [slice(a, a + n) for a, _, n, _ in spans]
+        grads = [rb.grad_buffer[b:b + n].to(torch.float32, copy=True) for _, b, n, _ in spans]
+        if grad_scale is not None:
+            torch._foreach_mul_(grads, grad_scale)
+        hp = scalars[g]
+        adam_([rb.master[s] for s in sl], grads, [rb.exp_avg[s] for s in sl],
+              [rb.exp_avg_sq[s] for s in sl], step=hp.step, lr=hp.lr, beta1=hp.beta1,
+              beta2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay,
+              decoupled_weight_decay=hp.adam_w_mode, fused=fused)
+    if out_mode in (OUT_AMAX, OUT_AMAX_CAST):
+        assert partial_amax is not None
+        lo, n = table.local_start.tolist(), table.numel.tolist()
+        views = [rb.master[a:a + c] for a, c in zip(lo, n, strict=True)]
+        partial_amax.copy_(torch.stack(torch._foreach_norm(views, float("inf"))).float())
+    if out_mode == OUT_AMAX_CAST:
+        assert scale is not None
+        _cast_reference(rb, table, scale, Fp8Format.parse(rb.dtype))
+    elif out_mode == OUT_PARAM:
+        for a, b, n, _ in table.spans():
+            rb.param_buffer[b:b + n].copy_(rb.master[a:a + n])
+
+
+def _cast_reference(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, fmt: Fp8Format) -> None:
+    for a, b, n, s in table.spans():
+        cast_to_fp8(rb.master[a:a + n], scale[s], fmt, out=rb.param_buffer[b:b + n])
+
+
+# ============================================================================ the optimizer's use
+class FusedStep:
+    """The tile tables and partial-amax buffers of every region; built once per optimizer."""
+
+    def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
+                 slot_of: Mapping[int, int], block: int = DEFAULT_BLOCK) -> None:
+        self.tables = [build_tile_table(rb.pieces, group_of, slot_of if rb.is_fp8 else {}, block,
+                                        rb.master.device) for rb in regions]
+        self.partials = [torch.zeros(t.num_tiles, dtype=torch.float32, device=rb.master.device)
+                         if rb.is_fp8 else None for rb, t in zip(regions, self.tables, strict=True)]
+
+    def update(self, regions: Sequence[RegionBuffers], scalars: Sequence[AdamScalars],
+               grad_scale: torch.Tensor | None, known_scale: torch.Tensor | None) -> None:
+        """Kernel 1 on every region. ``known_scale``: the FP8 scales of this step when they are
+        known before its amax (delayed scaling): the cast then happens in the same pass."""
+        for rb, table, partial in zip(regions, self.tables, self.partials, strict=True):
+            if rb.is_fp8:
+                mode = OUT_AMAX if known_scale is None else OUT_AMAX_CAST
+            else:
+                mode = OUT_PARAM
+            adam_tiles_(rb, table, scalars, out_mode=mode, grad_scale=grad_scale, scale=known_scale,
+                        partial_amax=partial)
+
+    def local_amax(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        return slot_amax(self.tables, self.partials, num_slots, device)
+
+    def cast(self, regions: Sequence[RegionBuffers], scales: torch.Tensor) -> None:
+        """Kernel 2 on every FP8 region (current scaling, after the amax all-reduce)."""
+        for rb, table in zip(regions, self.tables, strict=True):
+            if rb.is_fp8:
+                cast_tiles_(rb, table, scales)
