@@ -64,6 +64,8 @@ def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callabl
 def _measure(variant: str, compiled: bool, ref: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor,
              y_ref: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
     layer, ctx = _build(variant, ref)
+    if compiled and variant == "fp8 delayed":  # its amax state made now, not inside the graph
+        fs.nn.prepare_delayed_scaling(layer, fs.DelayedScaling())
     model = torch.compile(layer, dynamic=False) if compiled else layer
     x = x.detach().requires_grad_()
 

@@ -2,6 +2,7 @@
 
     python benchmarks/compare_peers.py [--quick] [--out FILE.json]          # CPU, gloo, 2 ranks
     python benchmarks/compare_peers.py --gpu [--out FILE.json]              # one CUDA GPU, ~1B GPT
+    python benchmarks/compare_peers.py --gpu --compile [--systems fp8shard-fp8,fp8shard-bf16]
 
 Systems (same model shapes, data, steps and seed):
   fp8shard-fp8   FP8 compute + FP8 parameters + DistributedFusedAdam
@@ -10,6 +11,10 @@ Systems (same model shapes, data, steps and seed):
   zero-adamw     torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
   torchao-fsdp2  torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
                  where the backend allows it (gloo has no float8: off there, said in the output)
+  --compile      adds "<system>+compile" after each fp8shard system chosen: the same model with
+                 every transformer block torch.compile'd in place, as ``trainer.compile=true``
+                 does (fp8shard.train.builders.compile_blocks), so eager and compiled fp8shard
+                 run side by side in one call
 
 Measured by this harness in the same way for every system:
   step_ms        median wall time of the timed steps (after warm-up)
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2"]
+COMPILED = "+compile"  # suffix of an fp8shard system run with compiled blocks (--compile)
 
 # ----------------------------------------------------------------------------- wire accounting
 
@@ -173,6 +179,14 @@ def _swap_to_torch_linear(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _compile_fp8shard(model: torch.nn.Module, recipe: Any) -> str:
+    """Compile every block in place, as the training command's ``trainer.compile=true`` does."""
+    from fp8shard.train.builders import compile_blocks
+
+    n = compile_blocks(model, recipe)
+    return f"{n} blocks compiled in place (trainer.compile)"
+
+
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
     """(model, optimizer, forward-context factory, note) for one system."""
     import fp8shard as fs
@@ -182,16 +196,20 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     gcfg = GPTConfig(**cfg["model"])
     lr, note = cfg["lr"], ""
     torch.manual_seed(cfg["seed"])
+    compiled = system.endswith(COMPILED)
+    system = system.removesuffix(COMPILED)
     if system == "fp8shard-fp8":
         with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
             model = GPT(gcfg).to(device)
         model.to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.CurrentScaling()
+        note = _compile_fp8shard(model, recipe) if compiled else note
         return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
+        note = _compile_fp8shard(model, None) if compiled else note
         return model, opt, contextlib.nullcontext, note
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     if system in ("ddp-adamw", "zero-adamw"):
@@ -329,15 +347,15 @@ def _config(args: argparse.Namespace) -> dict:
 
 def _print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'system':<15}{'step ms':>9}{'tok/s':>9}{'peak MB':>9}{'B/param':>9}{'wire B/step':>13}"
+    print(f"{'system':<21}{'step ms':>9}{'tok/s':>9}{'peak MB':>9}{'B/param':>9}{'wire B/step':>13}"
           f"{'loss':>8}  wire by collective / note")
     for r in rows:
         if not r.get("available"):
-            print(f"{r['system']:<15}  unavailable: {r['reason']}")
+            print(f"{r['system']:<21}  unavailable: {r['reason']}")
             continue
         wire = sum(r["wire_bytes_per_step"].values())
         detail = ", ".join(f"{k}={v}" for k, v in r["wire_bytes_per_step"].items())
-        print(f"{r['system']:<15}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['peak_mem_mb']:>9.0f}"
+        print(f"{r['system']:<21}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['peak_mem_mb']:>9.0f}"
               f"{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}  {detail}"
               + (f" [{r['note']}]" if r.get("note") else ""))
 
@@ -369,13 +387,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="one CUDA GPU, ~1B-parameter GPT")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--compile", action="store_true",
+                    help="also run each chosen fp8shard system with its blocks compiled ('+compile' rows)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     cfg = _config(args)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+        if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and not s.startswith("fp8shard")):
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} "
+                     f"(fp8shard systems also as NAME{COMPILED})")
+    if args.compile:  # each fp8shard system, then its compiled twin
+        systems = [x for s in systems for x in ([s, s + COMPILED] if s.startswith("fp8shard")
+                                                and not s.endswith(COMPILED) else [s])]
     if args.gpu:
         rows = _run_gpu(cfg, systems)
         world = 1

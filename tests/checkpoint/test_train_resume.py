@@ -9,10 +9,8 @@ every 2 steps, so a resume from an odd step must restore the half-filled loss wi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from fp8shard.checkpoint import latest_checkpoint, list_checkpoints, read_manifest
 from fp8shard.checkpoint.io import single_process_quiet
 from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader, read_dcp_metadata
-from tests.train.helpers import TINY, read_metrics, run_train, train_command
+from tests.train.helpers import TINY, kill_pids, process_tree, read_metrics, run_train, train_command
 
 FAST = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2", "trainer.val_check_interval=20",
@@ -101,30 +99,6 @@ def test_resume_on_one_rank_reshards(straight, stopped, tmp_path):
     assert diff < 2e-2
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid``'s descendants, deepest first, then ``pid`` (Linux /proc). torchrun starts its
-    ranks in sessions of their own, so killing its process group would leave them running."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out[::-1]
-
-
-def _kill(pids: list[int]) -> None:
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
 def _kill_during_a_save(args: list[str], root: Path) -> list[str] | None:
     """Start the run; SIGKILL torchrun and both ranks as soon as the save of an even step from 6
     on is in progress (its temporary directory exists), so the newest complete checkpoint is of
@@ -138,15 +112,15 @@ def _kill_during_a_save(args: list[str], root: Path) -> list[str] | None:
             if not root.is_dir():
                 time.sleep(0.01)
                 continue
-            tree = tree or _process_tree(proc.pid)  # the ranks run once the first save began
+            tree = tree or process_tree(proc.pid)  # the ranks run once the first save began
             tmps = [p.name for p in root.glob(".tmp-step_*")]
             if any(int(n.rsplit("_", 1)[1]) >= 6 and int(n.rsplit("_", 1)[1]) % 2 == 0 for n in tmps):
-                _kill(tree)  # both ranks and torchrun, mid-save
+                kill_pids(tree)  # both ranks and torchrun, mid-save
                 seen = tmps
             time.sleep(0.002)
     finally:
         if proc.poll() is None:  # not killed above (timeout, or an error in this loop)
-            _kill(_process_tree(proc.pid))
+            kill_pids(process_tree(proc.pid))
         proc.wait()
     return seen
 

@@ -1,14 +1,21 @@
-"""Helpers of the reliability tests: in-process runs of the training command, digests."""
+"""Helpers of the reliability tests: in-process runs of the training command, torchrun runs,
+digests, and every tensor of a checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
+from fp8shard.checkpoint.io import single_process_quiet
+from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader, read_dcp_metadata
 from fp8shard.fp8 import Float8Tensor
-from tests.train.helpers import TINY
+from tests.train.helpers import TINY, kill_pids, process_tree
 
 # TINY, cut further: 2 steps of a tiny model on a small corpus take about a second in-process.
 SMALL = [*TINY, "data.num_train_tokens=40000", "data.num_val_tokens=10000", "trainer.limit_val_batches=1",
@@ -47,3 +54,48 @@ def tree_digest(root: Path) -> dict[str, str]:
         return {}
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def torchrun(run_dir: Path, overrides: list[str], env: dict[str, str] | None = None, nproc: int = 2,
+             max_restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --max-restarts K --nproc-per-node N -m fp8shard.train`` writing to
+    ``run_dir``, in a session of its own (a timeout kills torchrun and every rank); not checked."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "fp8shard.train", *overrides,
+           f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(p.pid)  # torchrun starts its ranks in sessions of their own
+            out, err = p.communicate()
+            tail = f"{out[-3000:]}\n{err[-3000:]}"
+            raise AssertionError(f"torchrun timed out after {timeout}s:\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (found through /proc), deepest first."""
+    kill_pids(process_tree(pid))
+
+
+def checkpoint_tensors(ck: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (model incl. FP8 bytes and scales, optimizer, RNG), read whole."""
+    md = read_dcp_metadata(ck)
+    out = {k: torch.empty(list(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
+    with single_process_quiet():
+        dcp.load(out, storage_reader=SafeFileSystemReader(ck), planner=PiecesLoadPlanner({}), no_dist=True)
+    return out
+
+
+def differing_tensors(ck_a: Path, ck_b: Path) -> list[str]:
+    """Keys whose tensors differ (bitwise) between two checkpoints. Python's and NumPy's global
+    RNG states are left out: seeded by the OS at start-up and unused by training, they differ
+    between any two processes unless a checkpoint restored them."""
+    ta, tb = checkpoint_tensors(ck_a), checkpoint_tensors(ck_b)
+    assert ta.keys() == tb.keys()
+    keys = [k for k in ta if not k.rsplit("/", 1)[1].startswith(("python_", "numpy_"))]
+    assert any(":fp8_bytes" in k for k in keys) and any(k.startswith("rng/0/torch_cpu") for k in keys)
+    return [k for k in keys if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,3 +57,28 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid``'s descendants, deepest first, then ``pid`` (Linux /proc). torchrun starts its
+    ranks in sessions of their own, so killing its process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out[::-1]
+
+
+def kill_pids(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` (those already gone are skipped)."""
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)

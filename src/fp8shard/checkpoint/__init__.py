@@ -16,6 +16,7 @@ from fp8shard.checkpoint.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
 )
 from fp8shard.checkpoint.export import (
     export_safetensors,
@@ -40,8 +41,8 @@ from fp8shard.checkpoint.io import (
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "LoadedCheckpoint", "checkpoint_path", "export_safetensors",
-    "import_hf_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+    "CheckpointNotFoundError", "CheckpointSaveError", "LoadedCheckpoint", "checkpoint_path",
+    "export_safetensors", "import_hf_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
     "load_model_weights", "prune_checkpoints", "read_manifest", "read_model_state",
     "read_state_dict_file", "resolve_checkpoint", "save_checkpoint",
 ]

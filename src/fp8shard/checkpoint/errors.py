@@ -19,5 +19,17 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint does not fit the model or optimizer it is loaded into."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed on some rank (disk full, permission denied, an I/O error).
+
+    Raised on every rank; nothing was published and the complete checkpoints beside it are
+    untouched ([Note: storage faults]). ``errno`` is the failing ``OSError``'s, when there was one."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
-    CheckpointError, CheckpointNotFoundError, CheckpointFormatError, CheckpointMismatchError)}
+    CheckpointError, CheckpointNotFoundError, CheckpointFormatError, CheckpointMismatchError,
+    CheckpointSaveError)}

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import fp8shard
 from fp8shard.checkpoint import state as ms
@@ -47,6 +48,7 @@ from fp8shard.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
 )
 from fp8shard.checkpoint.optim_state import optimizer_load, optimizer_save_state, param_names
 from fp8shard.checkpoint.planner import (
@@ -117,11 +119,14 @@ def _together(fn: Callable[[], _T], group: Any) -> _T:
         result, err = fn(), None
     except Exception as e:  # any failure must reach the other ranks before they block
         result, err = None, e
-    errors = _all_gather(None if err is None else (type(err).__name__, str(err)), group)
+    code = err.errno if isinstance(err, (OSError, CheckpointSaveError)) else None
+    errors = _all_gather(None if err is None else (type(err).__name__, str(err), code), group)
     if err is not None:
         raise err
-    for e in errors:
+    for r, e in enumerate(errors):
         if e is not None:
+            if e[2] is not None:  # an OSError there: a storage fault, with its errno
+                raise CheckpointSaveError(f"(raised on rank {r}) {e[1]}", e[2])
             cls = ERRORS.get(e[0], CheckpointError)
             raise cls(f"(raised on another rank) {e[1]}")
     return result  # type: ignore[return-value]
@@ -316,18 +321,23 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             tmp.mkdir()
         return tensors, flat, manifest
 
-    # _together also acts as the barrier: rank 0 made the directory before anyone writes into it.
-    tensors, flat, manifest = _together(prepare, process_group)
-    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with single_process_quiet():
-        dcp.save(tensors, storage_writer=writer, planner=PiecesSavePlanner(flat), process_group=process_group,
-                 no_dist=_no_dist())
-
     def listing() -> tuple[list[str], dict[str, dict[str, Any]]]:
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         return names, _hash_share(tmp, names, rank, world)
 
-    parts = _all_gather(_together(listing, process_group), process_group)
+    try:
+        # _together also acts as the barrier: rank 0 made the directory before anyone writes into it.
+        tensors, flat, manifest = _together(prepare, process_group)
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+        with single_process_quiet():
+            dcp.save(tensors, storage_writer=writer, planner=PiecesSavePlanner(flat),
+                     process_group=process_group, no_dist=_no_dist())
+        parts = _all_gather(_together(listing, process_group), process_group)
+    except (OSError, CheckpointSaveError, CheckpointException) as e:
+        # Every rank is here (DCP and _together raise everywhere): nothing was published.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(final, e, world) from None
     names = parts[0][0]
 
     def publish() -> None:
@@ -341,13 +351,39 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         if final.exists():
             _remove_tree(final)
         tmp.rename(final)
-        _fsync_dir(root)
-        atomic_write_text(root / LATEST, final.name + "\n")
-        if keep_last is not None:
-            prune_checkpoints(root, keep_last)
+        try:  # published: what follows is housekeeping, and its failure loses nothing
+            _fsync_dir(root)
+            atomic_write_text(root / LATEST, final.name + "\n")
+            if keep_last is not None:
+                prune_checkpoints(root, keep_last)
+        except OSError as e:
+            warnings.warn(f"checkpoint {final} was published, but updating {root / LATEST} or pruning old "
+                          f"checkpoints failed: {e}", RuntimeWarning, stacklevel=2)
 
-    _together(publish, process_group)
+    try:
+        _together(publish, process_group)
+    except (OSError, CheckpointSaveError) as e:
+        if rank == 0 and tmp.exists():  # not renamed: not published
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(final, e, world) from None
     return final
+
+
+def _save_error(final: Path, e: BaseException, world: int) -> CheckpointSaveError:
+    """One message for a failed save, naming the failing rank and its ``OSError`` ([Note: storage
+    faults]); DCP's ``CheckpointException`` carries every failing rank's exception and traceback."""
+    where, cause = "", e
+    if isinstance(e, CheckpointException):
+        failures = e.failures
+        first = min(failures)
+        where, cause = f" on rank {first}" if world > 1 else "", failures[first][0]
+    if isinstance(cause, CheckpointSaveError) and cause.errno is not None:
+        code: int | None = cause.errno
+    else:
+        code = cause.errno if isinstance(cause, OSError) else None
+    text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    return CheckpointSaveError(f"saving checkpoint {final} failed{where}: {text} (nothing was published; "
+                               "the complete checkpoints beside it are untouched)", code)
 
 
 def _check_complete(tmp: Path, names: list[str], files: dict[str, dict[str, Any]]) -> None:

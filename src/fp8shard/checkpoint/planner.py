@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import pathlib
 import pickle
@@ -152,10 +153,24 @@ _ALLOWED = {
 }
 
 
+def _dcp_enum_member(cls: Any, name: Any) -> Any:
+    """``builtins.getattr`` as DCP's metadata uses it: some Pythons (3.11.2 does, 3.11.7 does not)
+    pickle an ``Enum`` member as ``getattr(EnumClass, name)``. Only a member of one of DCP's
+    metadata enums is handed out; any other use of ``getattr`` is refused."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_MD
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise CheckpointFormatError(
+        f"the checkpoint's DCP .metadata calls getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+        f"{name!r}), which is not a DCP metadata enum member; refusing to unpickle it (it could run code)")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and nothing else; see [Note: safe metadata]."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _dcp_enum_member
         if module == _DCP_MD or (module, name) in _ALLOWED:
             obj = super().find_class(module, name)
             if module != "pathlib" or issubclass(obj, pathlib.PurePath):

@@ -5,10 +5,10 @@ See docs/nn.md for the recipes, the once-per-step amax reduction and ``convert_t
 
 from fp8shard.nn.autocast import fp8_autocast, reduce_and_update_amaxes
 from fp8shard.nn.convert import convert_to_fp8, default_module_filter
-from fp8shard.nn.linear import Linear
+from fp8shard.nn.linear import Linear, prepare_delayed_scaling
 from fp8shard.nn.model_init import fp8_model_init
 
 __all__ = [
     "Linear", "convert_to_fp8", "default_module_filter", "fp8_autocast", "fp8_model_init",
-    "reduce_and_update_amaxes",
+    "prepare_delayed_scaling", "reduce_and_update_amaxes",
 ]

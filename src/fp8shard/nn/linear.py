@@ -5,10 +5,11 @@ layouts for ``fp8_mm`` (first operand row-major, second column-major):
 
     forward  y  [T, out] = x_fp8 [T, in]            · (W_fp8 [out, in] row-major).t()
     dgrad    dx [T, in]  = dy_fp8 [T, out]          · (Wᵀ_fp8 [in, out] row-major).t()
-    wgrad    dW [out, in] = dyᵀ_fp8 [out, T] (copy) · (xᵀ_fp8 [in, T] row-major).t()
+    wgrad    dW [out, in] = dyᵀ_fp8 [out, T]        · (xᵀ_fp8 [in, T] row-major).t()
 
-Inputs with leading batch dims are flattened to ``[T, in]``. The backward keeps the FP8 bytes
-of x (1 byte per element), never the high-precision x. A ``Float8Tensor`` weight goes into the
+Inputs with leading batch dims are flattened to ``[T, in]``. The casts write the transposed
+bytes (xᵀ, Wᵀ, dyᵀ) in the same pass ([Note: fused cast]); the backward keeps the FP8 bytes of
+xᵀ (1 byte per element), never the high-precision x. A ``Float8Tensor`` weight goes into the
 GEMMs as it is (its bytes and ``scale_inv``); its transposed bytes for dgrad come from
 ``Float8Tensor.fp8_transpose()``, made once per change of the bytes. Its gradient is a plain
 tensor of the weight's nominal dtype.
@@ -19,32 +20,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp8shard.fp8.cast import cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
+from fp8shard.fp8.fused import quantize_current, quantize_with_scale
 from fp8shard.fp8.gemm import fp8_mm
-from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling, amax, scale_from_amax
+from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling
 from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
-from fp8shard.nn.autocast import Fp8State, current_fp8_state, register_pending
+from fp8shard.nn.autocast import Fp8State, current_fp8_state, register_every_step, register_pending
 from fp8shard.nn.model_init import current_model_init
 
 # Slots of a layer's delayed-scaling state: one per GEMM operand.
 SLOT_INPUT, SLOT_WEIGHT, SLOT_GRAD_OUTPUT = 0, 1, 2
 
 
-def _scale_for(x_amax: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot: int,
-               history: torch.Tensor | None) -> torch.Tensor:
-    """Delayed: the layer's scale for ``slot`` (and record ``x_amax``); current: from ``x_amax``."""
+def _quantize(t: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot: int,
+              history: torch.Tensor | None, transpose: bool,
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """FP8 bytes of 2-D ``t``, bytes of ``t.t()`` (row-major) if ``transpose``, ``scale_inv``.
+
+    Current scaling: scale from amax(t). Delayed: the layer's scale for ``slot``, and amax(t)
+    recorded in ``history[0, slot]``. One fused cast ([Note: fused cast]).
+    """
     if scales is None:
-        return scale_from_amax(x_amax, fmt.max)  # [Note: scale], current scaling
-    assert history is not None
-    history[0, slot] = torch.maximum(history[0, slot], x_amax)
-    return scales[slot]
+        cast = quantize_current(t, fmt, transpose=transpose)  # [Note: scale], current scaling
+    else:
+        assert history is not None
+        cast = quantize_with_scale(t, scales[slot], fmt, transpose=transpose,
+                                   amax_out=history[0, slot])
+    return cast.data, cast.data_t, cast.scale_inv
 
 
 def _weight_transpose(weight: Float8Tensor) -> torch.Tensor:
-    """Row-major bytes of Wᵀ [in, out]: the cached copy in eager, a traced copy under compile."""
-    if torch.compiler.is_compiling():
-        return weight._data.t().contiguous()
+    """Row-major bytes of Wᵀ [in, out] in eager: cached until the bytes change (compile: see
+    ``_Fp8LinearFn.forward``)."""
     return weight.fp8_transpose()
 
 
@@ -55,18 +62,31 @@ class _Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fwd_fmt: Fp8Format, bwd_fmt: Fp8Format,
                 scales: torch.Tensor | None, history: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [T, in]
-        x_scale = _scale_for(amax(x2d), fwd_fmt, scales, SLOT_INPUT, history)
-        x_fp8, x_scale_inv = cast_to_fp8(x2d, x_scale, fwd_fmt), x_scale.reciprocal()
+        # The backward needs x only as xᵀ (wgrad) and W only as Wᵀ (dgrad): the casts write
+        # those transposed bytes in the same pass, and only they are kept (1 byte/element).
+        if torch.compiler.is_compiling():
+            # Reading ctx.needs_input_grad here breaks torch 2.11's tracing of this Function
+            # (seen on the H200); requires_grad is a superset of it, so nothing is missing.
+            need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
+        else:
+            need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_fp8, x_t, x_scale_inv = _quantize(x2d, fwd_fmt, scales, SLOT_INPUT, history, need_wgrad)
         if isinstance(weight, Float8Tensor):
             # Stored FP8 weights carry their own scale ([Note: weight scaling]): no new cast.
-            w_fp8, w_scale_inv = weight._data, weight._scale_inv
+            w_fp8, w_t, w_scale_inv = weight._data, None, weight._scale_inv
             ctx.fp8_weight = weight
+            if torch.compiler.is_compiling():
+                # [Note: compile] The eager transpose cache lives in Python and changes every
+                # optimizer step: under compile Wᵀ is traced from the bytes (one transpose,
+                # 1 B read + 1 B written per element) and the wrapper is not kept on ctx (it
+                # would enter the graph a second time, as an input of the backward).
+                w_t = w_fp8.t().contiguous() if need_dgrad else None
+                ctx.fp8_weight = None
         else:
-            w_scale = _scale_for(amax(weight), fwd_fmt, scales, SLOT_WEIGHT, history)
-            w_fp8, w_scale_inv = cast_to_fp8(weight, w_scale, fwd_fmt), w_scale.reciprocal()
+            w_fp8, w_t, w_scale_inv = _quantize(weight, fwd_fmt, scales, SLOT_WEIGHT, history, need_dgrad)
             ctx.fp8_weight = None
         y = fp8_mm(x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, x.dtype)  # [T, out]
-        ctx.save_for_backward(x_fp8, x_scale_inv, w_fp8, w_scale_inv)
+        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
         # Not saved tensors: the amax step of a reused layer writes to them between uses.
         ctx.scales, ctx.history, ctx.bwd_fmt = scales, history, bwd_fmt
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -74,20 +94,18 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_fp8, x_scale_inv, w_fp8, w_scale_inv = ctx.saved_tensors
+        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors  # xᵀ [in, T], Wᵀ [in, out]
         dy2d = dy.reshape(-1, dy.shape[-1])  # [T, out]
-        dy_scale = _scale_for(amax(dy2d), ctx.bwd_fmt, ctx.scales, SLOT_GRAD_OUTPUT, ctx.history)
-        dy_fp8, dy_scale_inv = cast_to_fp8(dy2d, dy_scale, ctx.bwd_fmt), dy_scale.reciprocal()
+        dy_fp8, dy_t, dy_scale_inv = _quantize(dy2d, ctx.bwd_fmt, ctx.scales, SLOT_GRAD_OUTPUT,
+                                               ctx.history, ctx.needs_input_grad[1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if ctx.fp8_weight is not None:
                 w_t = _weight_transpose(ctx.fp8_weight)
-            else:
-                w_t = w_fp8.t().contiguous()
             dx = fp8_mm(dy_fp8, dy_scale_inv, w_t.t(), w_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_colmajor = x_fp8.t().contiguous().t()  # [T, in], column-major
-            dw = fp8_mm(dy_fp8.t().contiguous(), dy_scale_inv, x_colmajor, x_scale_inv, ctx.w_dtype)
+            # dyᵀ [out, T] row-major · (xᵀ [in, T] row-major).t(): [T, in] column-major.
+            dw = fp8_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, ctx.w_dtype)
         return dx, dw, None, None, None, None
 
 
@@ -185,6 +203,16 @@ class Linear(torch.nn.Linear):
         return y
 
     # ------------------------------------------------------------------ delayed-scaling state
+    def init_delayed_scaling(self, recipe: DelayedScaling) -> None:
+        """Create now the delayed-scaling state the first forward under ``recipe`` would create.
+
+        What ``prepare_delayed_scaling`` calls on every layer of a model before it is compiled.
+        """
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"init_delayed_scaling takes a DelayedScaling recipe, "
+                            f"got {type(recipe).__name__}")
+        self._ensure_delayed_state(recipe)
+
     def _ensure_delayed_state(self, recipe: DelayedScaling) -> None:
         if self._amax_state is None or self._amax_state.recipe != recipe:
             self._init_delayed_state(recipe)
@@ -193,8 +221,10 @@ class Linear(torch.nn.Linear):
     def _init_delayed_state(self, recipe: DelayedScaling) -> None:
         """Create (or adapt to a new recipe) the amax history and scales of the three operands.
 
-        Runs eagerly even inside ``torch.compile`` (one graph break, at the first call only):
-        buffers made inside a graph and written by its backward cannot be compiled.
+        Runs eagerly even inside ``torch.compile`` (one graph break and one recompilation, at
+        the first call only; ``fullgraph=True`` refuses it): buffers made inside a graph and
+        written by its backward cannot be compiled. ``prepare_delayed_scaling(model, recipe)``
+        before compiling makes the state beforehand: no break ([Note: compile]).
         """
         device = self.weight.device
         fmt = recipe.fp8_format
@@ -254,3 +284,26 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_weight={isinstance(self.weight, Float8Tensor)}"
+
+
+def prepare_delayed_scaling(model: torch.nn.Module, recipe: object) -> int:
+    """Give every ``fs.nn.Linear`` of ``model`` its delayed-scaling state for ``recipe`` now.
+
+    A layer makes this state (amax history and scales, buffers of the state dict) at its first
+    forward under a ``DelayedScaling`` recipe, outside the graph when compiled: one graph
+    break on the first call. Call this before ``torch.compile`` (``fullgraph=True`` needs it)
+    to make it beforehand; values are those of a fresh layer (scales 1, empty history), so the
+    run is the same. The layers are also registered once for the amax reduction
+    ([Note: amax reduction]): every reduction after an enabled outermost ``fp8_autocast``
+    reduces them over that autocast's ``fp8_group``. A ``CurrentScaling`` (or None) recipe has
+    no state: nothing to do. Returns the number of layers prepared.
+    """
+    if not isinstance(recipe, DelayedScaling):
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.init_delayed_scaling(recipe)
+        # Reduced at every amax reduction from now on, with no per-call registration for a
+        # compiled graph to guard on ([Note: amax reduction]).
+        register_every_step(layer)
+    return len(layers)

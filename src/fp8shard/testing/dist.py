@@ -85,22 +85,35 @@ class DistPool:
             q.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world_size
         failures = []
+        name = getattr(fn, "__name__", fn)
         for _ in range(self.world_size):
-            try:
-                rank, value = self._results.get(timeout=self.timeout_s)
-            except queue.Empty:
-                self.close(force=True)
-                raise TimeoutError(
-                    f"{getattr(fn, '__name__', fn)} did not finish on all {self.world_size} "
-                    f"ranks within {self.timeout_s}s; the pool was shut down"
-                ) from None
+            rank, value = self._next_result(name)
             if isinstance(value, _Failure):
                 failures.append(value)
             out[rank] = value
         if failures:
             text = "\n".join(f"--- rank {f.rank} ---\n{f.text}" for f in failures)
-            raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on {len(failures)} rank(s):\n{text}")
+            raise RuntimeError(f"{name} failed on {len(failures)} rank(s):\n{text}")
         return out
+
+    def _next_result(self, name: object) -> tuple[int, Any]:
+        """The next rank's result; a dead worker or ``timeout_s`` without one shuts the pool down
+        and raises (a worker that died cannot answer: waiting for it would hang the suite)."""
+        waited = 0.0
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                self.close(force=True)
+                raise RuntimeError(f"{name}: worker process(es) of rank(s) {[r for r, _ in dead]} died "
+                                   f"(exit codes {[c for _, c in dead]}); the pool was shut down")
+            if waited >= self.timeout_s:
+                self.close(force=True)
+                raise TimeoutError(f"{name} did not finish on all {self.world_size} ranks within "
+                                   f"{self.timeout_s}s; the pool was shut down")
 
     def close(self, force: bool = False) -> None:
         if not force:

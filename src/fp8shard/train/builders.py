@@ -7,6 +7,7 @@ plain. [Note: FP8 init] says how FP8 weights get their initial values.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +93,43 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
             else:
                 p.copy_(src)
     return model
+
+
+COMPILE_BACKEND_ENV = "FP8SHARD_COMPILE_BACKEND"
+
+
+def compile_blocks(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None) -> int:
+    """``trainer.compile``: ``torch.compile`` every transformer block in place; returns how many.
+
+    [Note: per-block compile]
+        Each block is compiled, not the whole model, because:
+        * backward: a compiled region is one autograd node whose parameter gradients all arrive
+          when its backward ends. Per block, DistributedFusedAdam's gradient hooks fire block
+          by block, so bucket reduce-scatters still overlap the backward of the blocks below
+          (one whole-model graph would start them all after the last block);
+        * compile time and robustness: the blocks share one graph (their parameters are graph
+          inputs), so compiling costs one block whatever the depth, and a break or recompile
+          stays inside one block;
+        * ``Module.compile()`` works in place: the module tree, ``named_parameters`` and the
+          state-dict keys stay those of the eager model (no ``_orig_mod.`` prefix), so
+          checkpoints, DistributedFusedAdam and DDP see the same model.
+        The embeddings, the final norm and the loss stay eager. ``fp8_autocast`` stays outside
+        the graphs ([Note: amax reduction]); with delayed scaling the layers' amax state is made
+        first and the layers are registered for the reduction once (``prepare_delayed_scaling``),
+        so no graph break at the first step and no per-block recompilation.
+        With ``overlap_param_sync`` the parameter all-gathers are awaited before the forward
+        (``Trainer._forward_ctx``), not block by block: the optimizer's forward pre-hooks sit on
+        the layers inside the blocks, where a pending gather would be traced into the graph.
+        Overlapping the gathers with the forward of compiled blocks needs block-level waits.
+    The backend is Inductor; the environment variable ``FP8SHARD_COMPILE_BACKEND`` (e.g.
+    ``aot_eager``) picks another one (tests, debugging).
+    """
+    if recipe is not None:
+        fs.nn.prepare_delayed_scaling(model, recipe)
+    backend = os.environ.get(COMPILE_BACKEND_ENV, "").strip() or "inductor"
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return len(model.blocks)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -56,6 +56,9 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
     """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
+    compile: bool = False
+    """torch.compile each transformer block (in place: same module tree and state-dict keys);
+    the embeddings, final norm and loss stay eager. docs/training.md, 'Compiling'."""
     resume: bool | str = "auto"
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
@@ -66,6 +69,10 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the run fails with an error
     naming it (the process-group timeout); turns a hung rank into an error."""
+    fp8_overflow_factor: float = 4.0
+    """Delayed scaling: report (with the layer's name) an FP8 cast whose amax exceeds what its
+    scale can represent (fmt.max / scale) by more than this factor; milder saturation is only
+    counted (fp8_saturated). 1 reports every saturated cast; 0 turns the check off."""
 
 
 @dataclasses.dataclass
@@ -215,6 +222,10 @@ class CheckpointConfig:
     """Save every this many steps and after the last step; 0: never."""
     keep_last: int = 2
     """Keep this many most recent complete checkpoints (older ones are deleted after each save)."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A save that fails (disk full, permission denied) publishes nothing and leaves the earlier
+    checkpoints untouched; stop: exit 1 with one line; continue: say so and train on (the next
+    save tries again; a failed save after the last step always stops). docs/reliability.md."""
 
 
 @dataclasses.dataclass

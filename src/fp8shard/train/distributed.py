@@ -58,11 +58,35 @@ def init_distributed(accelerator: str, timeout_s: float = 600.0) -> DistEnv:
         device, backend = torch.device("cpu"), "gloo"
     if world_size == 1:
         return DistEnv(0, 1, 0, device, None)
-    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = {"timeout": timeout}
     if backend == "nccl":
         kwargs["device_id"] = device
+    store = _elastic_store(timeout)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def _elastic_store(timeout: datetime.timedelta) -> Any:
+    """Under torchrun: the launcher's store, its keys prefixed by the attempt; else None.
+
+    [Note: store per attempt]
+        torchrun's workers share one TCPStore, hosted by the agent, which outlives a restart
+        (``--max-restarts``): the restarted ranks find the previous attempt's keys still there.
+        torch 2.13's env:// rendezvous assumes a fresh store per attempt, so the default process
+        group's keys (each rank's gloo address among them) are the same in every attempt; a
+        restarted rank could read a dead peer's address and fail ("Gloo connectFullMesh failed
+        ... Connection refused") or wait until the timeout -- we saw both, depending on which
+        rank started first. A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps the
+        attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"fp8shard/attempt_{attempt}/", store)
 
 
 def teardown(env: DistEnv, wait: bool = True) -> None:

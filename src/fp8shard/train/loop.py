@@ -14,7 +14,9 @@ everything that makes a resumed run the same run: the data position (consumed sa
 schedule (a function of the step and ``model.optim.sched.max_steps``), every rank's RNG states,
 the partial loss window of the log and the skipped-step count. Non-finite steps are skipped
 ([Note: skipped steps]) and a timed-out collective becomes an error naming the phase of the
-step ([Note: collective timeouts]), both in faults.py. Validation leaves the training
+step ([Note: collective timeouts]), both in faults.py, as do a failed checkpoint save ([Note:
+storage faults]) and a restart after a rank died ([Note: elastic restart]); saturated FP8 casts
+are reported by layer once per step ([Note: overflow check] in nn/overflow.py). Validation leaves the training
 state untouched (see ``_delayed_scaling_untouched``), so the validation a run stopped early
 does at its last step changes nothing.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,16 +38,21 @@ import fp8shard as fs
 from fp8shard.checkpoint import (
     CheckpointError,
     CheckpointFormatError,
+    CheckpointSaveError,
     checkpoint_path,
     list_checkpoints,
     load_checkpoint,
+    read_manifest,
     resolve_checkpoint,
     save_checkpoint,
 )
+from fp8shard.checkpoint.io import verify_files
+from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.builders import (
     build_model,
     build_optimizer,
     build_recipe,
+    compile_blocks,
     count_fp8_linears,
     memory_by_category,
     params_dtype,
@@ -52,7 +60,7 @@ from fp8shard.train.builders import (
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
 from fp8shard.train.data import BatchLoader, TokenData, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
-from fp8shard.train.faults import FaultInjector, TrainingFailure, is_timeout
+from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
 
 
@@ -136,7 +144,12 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.save_errors = 0  # failed checkpoint saves (checkpoint.on_save_error=continue)
         self.faults = FaultInjector()
+        # Saturated FP8 casts under delayed scaling, found at the amax reduction ([Note: overflow check]).
+        factor = t.fp8_overflow_factor
+        delayed = m.fp8 and isinstance(self.recipe, fs.DelayedScaling) and factor > 0
+        self.overflow = OverflowMonitor(self.model, factor) if delayed else None
         self.phase, self.phase_step = "start-up", 0  # where a timed-out collective happened
         self._timed: tuple[int, float] = (0, 0.0)
         # Per-rank sum of step losses and number of steps since the last log record: saved in
@@ -144,6 +157,8 @@ class Trainer:
         self.window: list[float] = [0.0, 0]
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
+        if t.compile:  # in place: the module tree and state-dict keys stay ([Note: per-block compile])
+            compile_blocks(self.model, self.recipe if m.fp8 else None)
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
         inside = self.resumed_from is not None and \
             self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
@@ -172,6 +187,11 @@ class Trainer:
             extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
             self.step = int(extra.get("step", info.step or 0))
             self.skipped_steps = int(extra.get("skipped_steps", 0))
+            self.save_errors = int(extra.get("checkpoint_save_errors", 0))
+            if self.overflow is not None:
+                self.overflow.overflows = int(extra.get("fp8_overflows", 0))
+                self.overflow.nonfinite = int(extra.get("fp8_nonfinite_amaxes", 0))
+                self.overflow.saturated = int(extra.get("fp8_saturated", 0))
             if "data" in extra:
                 self.loader.load_state_dict(extra["data"])
             else:
@@ -205,13 +225,53 @@ class Trainer:
             dist.all_gather_object(sums, self.window[0], group=self.env.group)
         extra = {"step": self.step, "data": self.loader.state_dict(), "lr_schedule": self._schedule_state(),
                  "log_window": {"loss_sums": sums, "steps": self.window[1]},
-                 "skipped_steps": self.skipped_steps, "config": to_dict(self.cfg)}
-        return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
-                               step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
-                               process_group=self.env.group)
+                 "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg)}
+        with self.faults.save_fault(self.step, self.env.rank):  # FP8SHARD_INJECT_SAVE_ERROR_STEPS
+            return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
+                                   step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
+                                   process_group=self.env.group)
+
+    def _fault_counts(self) -> dict[str, int]:
+        """Counters of metrics.jsonl, summary.json and checkpoints besides ``skipped_steps``."""
+        mon = self.overflow
+        return {"fp8_overflows": mon.overflows if mon else 0, "fp8_saturated": mon.saturated if mon else 0,
+                "fp8_nonfinite_amaxes": mon.nonfinite if mon else 0,
+                "checkpoint_save_errors": self.save_errors}
+
+    def _save_failed(self, e: CheckpointSaveError) -> None:
+        """A save failed ([Note: storage faults]): check the newest complete checkpoint, then stop
+        or, with checkpoint.on_save_error=continue, say so and train on."""
+        self.save_errors += 1
+        kept = list_checkpoints(self.ckpt_root)
+        if not kept:
+            state = "there is no earlier checkpoint"
+        elif not self.env.is_main:
+            state = ""  # rank 0 checks and says it
+        else:
+            try:
+                verify_files(kept[0], read_manifest(kept[0]))
+                state = f"the newest complete checkpoint {kept[0]} is intact (sizes and SHA-256 verified)"
+            except (CheckpointError, OSError) as bad:
+                state = f"the newest complete checkpoint {kept[0]} fails verification: {bad}"
+        if self.env.group is not None:
+            dist.barrier(group=self.env.group)  # rank 0 has checked before any rank goes on or exits
+        mode = self.cfg.checkpoint.on_save_error
+        last = self.step >= self.cfg.trainer.max_steps
+        if mode == "stop" or last:
+            why = "checkpoint.on_save_error=stop" if mode == "stop" else "it was the save after the last step"
+            raise TrainingFailure(f"{e}; {state}; stopping ({why})")
+        if self.env.is_main:
+            print(f"fp8shard.train: warning: {e}; {state}; training continues "
+                  f"(checkpoint.on_save_error=continue, {self.save_errors} failed save(s) so far)",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ contexts
     def _forward_ctx(self) -> contextlib.ExitStack:
+        if self.cfg.trainer.compile and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
+            # [Note: per-block compile]: the parameter all-gathers are awaited here, eagerly, so
+            # the forward pre-hooks inside the compiled blocks find nothing pending (a pending
+            # gather there would be traced into the graph and recompile it block by block).
+            self.opt.wait_param_sync()  # type: ignore[attr-defined]
         stack = contextlib.ExitStack()
         if self.cfg.trainer.precision == "bf16-mixed":
             stack.enter_context(torch.autocast(self.env.device.type, dtype=torch.bfloat16))
@@ -247,6 +307,8 @@ class Trainer:
                     loss = loss * float("nan")
                 (loss / len(micro)).backward()
             loss_sum += loss.detach()
+        # FP8SHARD_INJECT_KILL_STEP: a rank dies mid-step, its peers wait in a collective.
+        self.faults.maybe_kill(self.step + 1, self.env.rank, self.cfg.trainer.max_steps)
         self.phase = "gradient clipping (gradient reduce-scatter, gradient-norm all-reduce)"
         clip = self.cfg.trainer.gradient_clip_val or math.inf
         if self.is_dfa:
@@ -266,7 +328,21 @@ class Trainer:
             self._measure_resources()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
+        if self.overflow is not None:
+            # The amax reduction the next forward would do, done now (the same values: nothing
+            # records amaxes in between), so this step's overflows are found in this step.
+            fs.nn.reduce_and_update_amaxes()
         return float(loss_sum) / len(micro), float(norm), skipped
+
+    def _report_overflows(self, where: str) -> None:
+        """Say which FP8 casts saturated since the last poll ([Note: overflow check]); one host sync."""
+        if self.overflow is None:
+            return
+        events = self.overflow.poll()
+        for o in events[:4]:
+            self.rec.say(f"warning: {where}: {o.message()}")
+        if len(events) > 4:
+            self.rec.say(f"warning: {where}: ... and {len(events) - 4} more FP8 operands")
 
     def _measure_resources(self) -> None:
         self.memory = memory_by_category(self.opt, self.model)
@@ -300,6 +376,7 @@ class Trainer:
                 total += float(loss) * y.numel()
                 count += y.numel()
             self.model.train()
+        self._report_overflows(f"validation after step {self.step}")
         total, count = all_reduce_sum([total, count], env)
         return total / max(count, 1.0)
 
@@ -312,6 +389,8 @@ class Trainer:
         window_start, first_step = time.perf_counter(), self.step
         timed_tokens, timed_s = 0, 0.0
         last_loss, val_loss = float("nan"), float("nan")
+        if self.overflow is not None:
+            self.overflow.open()
         if self.step >= t.max_steps:
             rec.say(f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to train")
             val_loss = self.validate()
@@ -320,7 +399,13 @@ class Trainer:
                 window_start, timed_tokens, timed_s, last_loss, val_loss = self._one_step(
                     first_step, window_start, timed_tokens, timed_s, last_loss, val_loss)
         except RuntimeError as e:
-            if isinstance(e, TrainingFailure) or self.env.backend is None or not is_timeout(e):
+            if isinstance(e, TrainingFailure) or self.env.backend is None:
+                raise
+            if is_peer_lost(e):  # a rank died: torchrun restarts the job (--max-restarts) or ends it
+                raise TrainingFailure(
+                    f"a collective in {self.phase} at step {self.phase_step} failed: another rank is gone "
+                    f"({str(e).splitlines()[0][:200]})", every_rank=True) from None
+            if not is_timeout(e):
                 raise
             raise TrainingFailure(
                 f"a collective in {self.phase} at step {self.phase_step} timed out after "
@@ -328,9 +413,12 @@ class Trainer:
                 f"participating ({str(e).splitlines()[0][:200]})", every_rank=True) from None
         finally:
             rec.close()
+            if self.overflow is not None:
+                self.overflow.close()
         self.phase = "the summary (loss and memory all-reduce)"
         summary = self._summary(last_loss, val_loss, timed_tokens / timed_s if timed_s else float("nan"))
         summary["skipped_steps"] = self.skipped_steps
+        summary.update(self._fault_counts())
         path = rec.write_summary(summary)
         rec.say(format_summary(summary))
         rec.say(f"summary: {path}")
@@ -343,6 +431,7 @@ class Trainer:
         cfg, rec, t = self.cfg, self.rec, self.cfg.trainer
         every = cfg.checkpoint.every_n_steps
         loss, norm, skipped = self.train_step()
+        self._report_overflows(f"step {self.step}")
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self.window[0] += loss
@@ -362,9 +451,13 @@ class Trainer:
         if every and (step % every == 0 or step == t.max_steps):
             self.phase = "checkpoint save (gathers and barriers)"
             start = time.perf_counter()
-            path = self.save()
-            rec.sync()  # metrics.jsonl on disk up to this checkpoint
-            rec.say(f"checkpoint: {path} ({time.perf_counter() - start:.2f}s)")
+            try:
+                path = self.save()
+            except CheckpointSaveError as e:  # disk full, permission denied: [Note: storage faults]
+                self._save_failed(e)
+            else:
+                rec.sync()  # metrics.jsonl on disk up to this checkpoint
+                rec.say(f"checkpoint: {path} ({time.perf_counter() - start:.2f}s)")
             window_start += time.perf_counter() - start  # saving is not training throughput
         return window_start, timed_tokens, timed_s, last_loss, val_loss
 
@@ -394,6 +487,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": step, "loss": mean_loss, "lr": lr_at(cfg, step - 1), "tokens_per_s": rate,
             "grad_norm": norm, "skipped": skipped, "skipped_steps": self.skipped_steps,
+            **self._fault_counts(),
             "consumed_samples": self.loader.consumed_samples,
             "tokens": step * tokens_per_step, "elapsed_s": time.perf_counter() - rec.start,
         }

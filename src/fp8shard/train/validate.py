@@ -48,6 +48,9 @@ def _positive(cfg: Config) -> None:
     ]:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    factor = cfg.trainer.fp8_overflow_factor
+    if factor != 0 and not factor >= 1:
+        raise ConfigError(f"trainer.fp8_overflow_factor must be 0 (off) or >= 1, got {factor}")
     for key, value in [("model.hidden_dropout", cfg.model.hidden_dropout),
                        ("model.attention_dropout", cfg.model.attention_dropout)]:
         if not 0.0 <= value < 1.0:
@@ -158,6 +161,20 @@ def _checkpoint(cfg: Config) -> None:
                           f"({cfg.trainer.max_steps}): the schedule would end before the run")
 
 
+def _run_dir(cfg: Config) -> None:
+    """The run directory is exp_dir/name and the command writes nothing outside it: ``name`` is
+    one directory name, so it cannot point elsewhere (``..``, an absolute path, a nested path)."""
+    name = cfg.exp_manager.name
+    seps = [c for c in ("/", os.sep, os.altsep) if c]
+    if not name.strip() or name in (".", "..") or any(c in name for c in seps) or "\0" in name:
+        raise ConfigError(
+            f"exp_manager.name must be one directory name (no '/', not '.' or '..'), got {name!r}: "
+            "the run directory is exp_manager.exp_dir/exp_manager.name and every file the run writes "
+            "goes inside it; to put runs elsewhere set exp_manager.exp_dir")
+    if not cfg.exp_manager.exp_dir.strip():
+        raise ConfigError("exp_manager.exp_dir must not be empty (use . for the current directory)")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first problem found in ``cfg`` run on ``world_size`` ranks."""
     _positive(cfg)
@@ -168,3 +185,4 @@ def validate(cfg: Config, world_size: int) -> None:
     _optim(cfg)
     _data(cfg)
     _checkpoint(cfg)
+    _run_dir(cfg)

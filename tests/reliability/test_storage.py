@@ -1,0 +1,138 @@
+"""Storage faults ([Note: storage faults]): a checkpoint save that fails (disk full, permission
+denied) says so in one line, publishes nothing, leaves the previous checkpoint untouched, and
+the run stops (``checkpoint.on_save_error=stop``) or trains on (``continue``); resuming from the
+checkpoint left behind gives the run that never failed.
+
+Two injections: ``FP8SHARD_INJECT_SAVE_ERROR_STEPS`` makes DCP's write of the shard file raise
+``OSError`` (ENOSPC by default) after part of it is on disk; ``chmod`` makes the checkpoint
+directory read-only mid-run. The chmod case is skipped when the tests run as root (root ignores
+the mode bits), which is why the environment hook exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fp8shard.checkpoint import list_checkpoints, load_checkpoint
+from fp8shard.train.__main__ import main
+from fp8shard.train.builders import build_model, build_optimizer
+from fp8shard.train.config import load_config
+from fp8shard.train.distributed import DistEnv
+from fp8shard.train.faults import SAVE_ERROR_ENV, SAVE_ERROR_RANK_ENV, SAVE_ERROR_STEPS_ENV
+from fp8shard.train.loop import Trainer
+from fp8shard.train.metrics import read_metrics
+from tests.reliability.common import SMALL, differing_tensors, run_args, torchrun, tree_digest
+
+ARGS = ("trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2",
+        "trainer.val_check_interval=100")
+CPU = DistEnv(0, 1, 0, torch.device("cpu"), None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same run, never failing."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    assert main(run_args(run, *ARGS)) == 0
+    return run
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("fp8shard.train: error")]
+
+
+@pytest.mark.parametrize("how", ["inject-enospc", "chmod-read-only"])
+def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, monkeypatch, capsys, reference):
+    if how == "chmod-read-only" and os.geteuid() == 0:
+        pytest.skip("running as root, which writes into read-only directories; inject-enospc covers it")
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    before: dict[int, dict[str, str]] = {}
+    save = Trainer.save
+
+    def recording_save(self: Trainer):
+        before[self.step] = tree_digest(self.ckpt_root)
+        if how == "chmod-read-only" and self.step == 4:
+            os.chmod(self.ckpt_root, 0o555)
+        return save(self)
+
+    monkeypatch.setattr(Trainer, "save", recording_save)
+    if how == "inject-enospc":
+        monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "4")
+    try:
+        code = main(run_args(run, *ARGS))
+    finally:
+        if root.exists():
+            os.chmod(root, 0o755)
+    out, err = capsys.readouterr()
+    assert code == 1, err[-3000:]
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = _error_lines(err)
+    assert len(lines) == 1, err
+    cause = "No space left on device" if how == "inject-enospc" else "Permission denied"
+    assert f"saving checkpoint {root / 'step_00000004'} failed: " in lines[0] and cause in lines[0]
+    assert f"the newest complete checkpoint {root / 'step_00000002'} is intact (sizes and SHA-256 verified)" \
+        in lines[0]
+    assert lines[0].endswith("stopping (checkpoint.on_save_error=stop)")
+
+    # Nothing was published and nothing changed: no leftovers, step 2 and `latest` as they were.
+    assert tree_digest(root) == before[4]
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000002"]
+    assert not (run / "summary.json").exists()
+    cfg = load_config(run_args(run, *ARGS))
+    model = build_model(cfg, 256, CPU.device)
+    opt, _ = build_optimizer(cfg, model, CPU)
+    assert load_checkpoint(root, model, opt).step == 2  # it loads
+
+    # Resuming from it (trainer.resume=auto) is the run that never failed.
+    monkeypatch.delenv(SAVE_ERROR_STEPS_ENV, raising=False)
+    monkeypatch.setattr(Trainer, "save", save)
+    assert main(run_args(run, *ARGS)) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str(root / "step_00000002") and summary["steps"] == 6
+    assert summary["checkpoint_save_errors"] == 0  # the failed save was after step 2's checkpoint
+    ref = [(r["step"], r["loss"]) for r in read_metrics(reference / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == ref
+    assert differing_tensors(root / "step_00000006", reference / "checkpoints" / "step_00000006") == []
+
+
+def test_continue_mode_trains_on_but_a_failed_last_save_stops(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "2,6")
+    monkeypatch.setenv(SAVE_ERROR_ENV, "EACCES")
+    code = main(run_args(run, *ARGS, "checkpoint.on_save_error=continue"))
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err
+    warnings = [line for line in err.splitlines() if line.startswith("fp8shard.train: warning")]
+    assert len(warnings) == 1, err
+    assert "step_00000002 failed: [Errno 13] Permission denied" in warnings[0]
+    assert "there is no earlier checkpoint; training continues (checkpoint.on_save_error=continue, " \
+           "1 failed save(s) so far)" in warnings[0]
+    (line,) = _error_lines(err)
+    assert "step_00000006 failed: [Errno 13]" in line and "step_00000004 is intact" in line
+    assert line.endswith("stopping (it was the save after the last step)")
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000004"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    counts = {r["step"]: r["checkpoint_save_errors"] for r in read_metrics(run / "metrics.jsonl")}
+    assert counts == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1}  # records come before the step's save
+    assert "checkpoint: " in out  # step 4 was saved
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
+    """2 ranks under torchrun; only rank 1's write fails. Both ranks leave the save together
+    (no rank waits in a collective), rank 0 names rank 1's error, the previous checkpoint stays."""
+    run = tmp_path / "run"
+    env = {SAVE_ERROR_STEPS_ENV: "4", SAVE_ERROR_RANK_ENV: "1"}
+    proc = torchrun(run, [*SMALL, "trainer.max_steps=6", "checkpoint.every_n_steps=2",
+                          "trainer.collective_timeout_s=60"], env=env, timeout=90)
+    assert proc.returncode != 0
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("fp8shard.train: error (rank 0): saving checkpoint ")
+    assert "step_00000004 failed on rank 1: [Errno 28] No space left on device" in lines[0]
+    assert "step_00000002 is intact" in lines[0] and "timed out" not in lines[0]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000002"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
