@@ -5,14 +5,19 @@ checkpoint left behind gives the run that never failed.
 
 Two injections: ``FP8SHARD_INJECT_SAVE_ERROR_STEPS`` makes DCP's write of the shard file raise
 ``OSError`` (ENOSPC by default) after part of it is on disk; ``chmod`` makes the checkpoint
-directory read-only mid-run. The chmod case is skipped when the tests run as root (root ignores
-the mode bits), which is why the environment hook exists.
+directory read-only mid-run. Root ignores mode bits, so when the tests run as root (as in CI) the
+chmod case runs the training in a forked child that has become the user ``nobody``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,17 +49,65 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("fp8shard.train: error")]
 
 
+NOBODY = 65534
+
+
+def _main_captured(args: list[str], as_nobody: bool) -> tuple[int, str, str]:
+    """``main(args)`` with its output captured: (exit code, stdout, stderr). ``as_nobody``: in a
+    forked child that runs as the unprivileged user ``nobody`` (root ignores mode bits, so a
+    read-only directory refuses only such a process), reporting back through a pipe. The child
+    reads no new files: the modules it needs were imported by the ``reference`` run."""
+    if not as_nobody:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+        return code, out.getvalue(), err.getvalue()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest; single-threaded (see the caller)
+        status = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            result = _main_captured(args, as_nobody=False)
+            os.write(w, json.dumps(result).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and data, f"the child running as nobody failed (wait status {status})"
+    code, out, err = json.loads(data)
+    return code, out, err
+
+
 @pytest.mark.parametrize("how", ["inject-enospc", "chmod-read-only"])
-def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, monkeypatch, capsys, reference):
-    if how == "chmod-read-only" and os.geteuid() == 0:
-        pytest.skip("running as root, which writes into read-only directories; inject-enospc covers it")
+def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, monkeypatch, reference):
+    as_nobody = how == "chmod-read-only" and os.geteuid() == 0
+    threads = torch.get_num_threads()
+    if as_nobody:
+        # A forked child must run single-threaded (the parent's OpenMP pool does not survive a
+        # fork: it hangs), and the thread count changes the sums' rounding: the whole case, and
+        # its own reference run, run on one thread. pytest's tmp_path is private to root: the
+        # run goes in a folder nobody may write in.
+        torch.set_num_threads(1)
+        reference = tmp_path / "ref1" / "run"
+        assert main(run_args(reference, *ARGS)) == 0
+        tmp_path = Path(tempfile.mkdtemp(prefix="fp8shard-ro-"))
+        os.chown(tmp_path, NOBODY, NOBODY)
     run = tmp_path / "run"
     root = run / "checkpoints"
-    before: dict[int, dict[str, str]] = {}
     save = Trainer.save
 
     def recording_save(self: Trainer):
-        before[self.step] = tree_digest(self.ckpt_root)
+        # The tree as it is before each save, written beside the run (the child's memory is lost).
+        (run / f"before_{self.step}.json").write_text(json.dumps(tree_digest(self.ckpt_root)))
         if how == "chmod-read-only" and self.step == 4:
             os.chmod(self.ckpt_root, 0o555)
         return save(self)
@@ -63,11 +116,21 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
     if how == "inject-enospc":
         monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "4")
     try:
-        code = main(run_args(run, *ARGS))
+        code, out, err = _main_captured(run_args(run, *ARGS), as_nobody)
     finally:
         if root.exists():
             os.chmod(root, 0o755)
-    out, err = capsys.readouterr()
+    try:
+        _check_failed_save(how, run, code, out, err, monkeypatch, save, reference)
+    finally:
+        if as_nobody:
+            torch.set_num_threads(threads)
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_failed_save(how: str, run: Path, code: int, out: str, err: str, monkeypatch, save,
+                       reference: Path) -> None:
+    root = run / "checkpoints"
     assert code == 1, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in out
     lines = _error_lines(err)
@@ -79,7 +142,7 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
     assert lines[0].endswith("stopping (checkpoint.on_save_error=stop)")
 
     # Nothing was published and nothing changed: no leftovers, step 2 and `latest` as they were.
-    assert tree_digest(root) == before[4]
+    assert tree_digest(root) == json.loads((run / "before_4.json").read_text())
     assert [p.name for p in list_checkpoints(root)] == ["step_00000002"]
     assert not (run / "summary.json").exists()
     cfg = load_config(run_args(run, *ARGS))
@@ -136,3 +199,58 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
     assert "step_00000002 is intact" in lines[0] and "timed out" not in lines[0]
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000002"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+class _FullDiskFile:
+    """metrics.jsonl's file object, refusing (ENOSPC) the record of ``step`` and all writes after."""
+
+    def __init__(self, f, step: int) -> None:
+        self._f, self._step, self.full = f, step, False
+
+    def write(self, text: str) -> int:
+        if self.full or json.loads(text).get("step") == self._step:
+            self.full = True
+            raise OSError(28, "No space left on device")
+        return self._f.write(text)
+
+    def __getattr__(self, name: str):
+        if self.full and name in ("flush", "close"):
+            def refuse() -> None:
+                self._f.close()
+                raise OSError(28, "No space left on device")
+            return refuse
+        return getattr(self._f, name)
+
+
+def test_a_full_disk_while_writing_metrics_is_one_line_and_the_run_resumes(tmp_path, monkeypatch, capsys,
+                                                                           reference):
+    """Disk full at step 5's metrics record (after step 4's checkpoint): exit 1 with one line naming
+    metrics.jsonl and the cause, no traceback; rerunning resumes from step 4 and ends as the run
+    that never failed."""
+    from fp8shard.train import metrics
+
+    run = tmp_path / "run"
+    init = metrics.RunRecorder.__init__
+
+    def full_at_step_5(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        if self._file is not None:
+            self._file = _FullDiskFile(self._file, 5)
+
+    monkeypatch.setattr(metrics.RunRecorder, "__init__", full_at_step_5)
+    code = main(run_args(run, *ARGS))
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err + out, err[-3000:]
+    (line,) = _error_lines(err)
+    assert f"writing {run / 'metrics.jsonl'} failed: [Errno 28] No space left on device" in line
+    assert "rerun the same command, which resumes from the newest one (trainer.resume=auto)" in line
+    assert sorted(p.name for p in list_checkpoints(run / "checkpoints")) == ["step_00000002", "step_00000004"]
+
+    monkeypatch.setattr(metrics.RunRecorder, "__init__", init)
+    assert main(run_args(run, *ARGS)) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run / "checkpoints" / "step_00000004")
+    ref = [(r["step"], r["loss"]) for r in read_metrics(reference / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == ref
+    assert differing_tensors(run / "checkpoints" / "step_00000006",
+                             reference / "checkpoints" / "step_00000006") == []

@@ -12,16 +12,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fp8shard.train.faults import TrainingFailure
 
 MEMORY_CATEGORIES = ("weights", "grads", "master", "optimizer_states", "padding")
 
@@ -57,8 +61,24 @@ def _fmt_rate(r: float) -> str:
     return f"{r / 1e6:.2f}M" if r >= 1e6 else f"{r / 1e3:.1f}k"
 
 
+class RunFileError(TrainingFailure):
+    """Writing a file of the run directory failed (disk full, permission denied, quota): one
+    line naming the file and the cause. Checkpoints are written apart from these files, so the
+    ones already complete stay loadable and a rerun resumes from the newest."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+        super().__init__(f"writing {path} failed: {reason}; complete checkpoints are unaffected: "
+                         f"make room (or fix the permissions) and rerun the same command, which "
+                         f"resumes from the newest one (trainer.resume=auto)")
+        self.path, self.error = path, error
+
+
 class RunRecorder:
-    """Writes the run directory's files; only rank 0 writes or prints (``enabled``)."""
+    """Writes the run directory's files; only rank 0 writes or prints (``enabled``).
+
+    Any ``OSError`` while writing one of them is raised as ``RunFileError`` ([Note: storage
+    faults] in checkpoint/io.py: the metrics file gets the same one-line treatment)."""
 
     def __init__(self, run_dir: Path, enabled: bool, max_steps: int, keep_until: int | None = None) -> None:
         """``keep_until``: resuming at that step, keep metrics.jsonl's records up to it and append
@@ -66,36 +86,50 @@ class RunRecorder:
         self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
         self.start = time.perf_counter()
         self._file = None
+        self.metrics_path = run_dir / "metrics.jsonl"
         if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            path = run_dir / "metrics.jsonl"
-            kept = []
-            if keep_until is not None and path.exists():
-                for line in path.read_text().splitlines():
-                    try:
-                        if json.loads(line)["step"] <= keep_until:
-                            kept.append(line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        break  # a line cut by a crash ends what can be kept
-            self._file = path.open("w")
-            self._file.writelines(kept)
-            self._file.flush()
+            path = self.metrics_path
+            with self._writing(path):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                kept = []
+                if keep_until is not None and path.exists():
+                    for line in path.read_text().splitlines():
+                        try:
+                            if json.loads(line)["step"] <= keep_until:
+                                kept.append(line + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            break  # a line cut by a crash ends what can be kept
+                self._file = path.open("w")
+                self._file.writelines(kept)
+                self._file.flush()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _writing(path: Path) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise RunFileError(path, e) from e
 
     def write_config(self, text: str) -> None:
         if self.enabled:
-            (self.run_dir / "config.yaml").write_text(text)
+            path = self.run_dir / "config.yaml"
+            with self._writing(path):
+                path.write_text(text)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one JSON object to metrics.jsonl (flushed, so a crashed run keeps its lines)."""
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            with self._writing(self.metrics_path):
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
 
     def sync(self) -> None:
         """Flush metrics.jsonl and fsync it (at checkpoints: the records up to one are on disk)."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with self._writing(self.metrics_path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, extra: str = "") -> None:
         if not self.enabled:
@@ -116,13 +150,15 @@ class RunRecorder:
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.run_dir / "summary.json"
         if self.enabled:
-            path.write_text(json.dumps(summary, indent=2) + "\n")
+            with self._writing(path):
+                path.write_text(json.dumps(summary, indent=2) + "\n")
         return path
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            f, self._file = self._file, None
+            with self._writing(self.metrics_path):
+                f.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
