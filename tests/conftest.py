@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run only in Triton's interpreter (tests/triton_interp.py),
+    # which must be on before triton.language is first imported: its own jit functions (tl.max,
+    # tl.zeros, ...) are made then. `import torch` does not import triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fp8shard.testing import DistPool
 

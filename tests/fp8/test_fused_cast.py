@@ -3,7 +3,8 @@
 CPU: the dispatch functions (which take the reference path there) agree bit for bit with the
 eager functions they replace. GPU (``-m gpu``, on the H200): the Triton path agrees bit for bit
 with the reference path on fresh random inputs, special values and odd shapes, writes every
-output element (outputs poisoned first), and was really the path taken.
+output element (outputs poisoned first), and was really the path taken. CPU again: the same
+kernels under Triton's interpreter (tests/triton_interp.py), bit for bit but for NaN signs.
 """
 
 from __future__ import annotations
@@ -313,3 +314,101 @@ def test_linear_triton_equals_reference_bit_for_bit(monkeypatch, recipe, fp8_par
     ref = _linear_run(recipe, fp8_params, shape, torch.bfloat16)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a.dtype == b.dtype and bits_equal(a.view(-1), b.view(-1)), f"output {i} differs"
+
+
+# ----------------------------------------------------------------- CPU: the kernels interpreted
+# The GPU tests' checks with the kernels run by Triton's interpreter (tests/triton_interp.py) on
+# CPU tensors, so CI covers the kernels' indexing, masks, partial amaxes, scale arithmetic,
+# transposed tiles and dispatch. One difference is allowed: the sign of a NaN's byte. IEEE leaves
+# the sign of a NaN out of arithmetic unspecified; the H200 (and the CUDA reference) return the
+# canonical positive NaN from ``x * scale``, numpy keeps the operand's sign. The GPU tests compare
+# those bytes exactly.
+INTERP_SHAPES = [(1, 1), (7, 13), (3, 8195), (130, 70)]
+# numpy warns where the reference's guards expect it (a zero amax's reciprocal is never used).
+ignore_numpy_divide = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+
+@pytest.fixture
+def interpreted_casts(monkeypatch):
+    from fp8shard.fp8 import triton_cast
+    from tests.triton_interp import interpreted
+
+    with interpreted(monkeypatch, triton_cast):
+        # The host code's CUDA queries: a 4-SM device, one program per SM, no device switch.
+        monkeypatch.setattr(triton_cast, "_device_limits", lambda index: (4, 65536, 2048, 228 * 1024))
+        monkeypatch.setattr(triton_cast, "_fit", lambda compiled, num_warps, index: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+        monkeypatch.setattr(fused, "use_triton", lambda *tensors: True)
+        yield
+
+
+def _nan_sign_free(c: fused.Fp8Cast) -> fused.Fp8Cast:
+    def fix(t):
+        if t is None:
+            return None
+        u = t.view(torch.uint8).clone()
+        u[t.float().isnan()] = 0x7F
+        return u.view(t.dtype)
+    return c._replace(data=fix(c.data), data_t=fix(c.data_t))
+
+
+def assert_same_cast_interp(got: fused.Fp8Cast, ref: fused.Fp8Cast) -> None:
+    assert_same_cast(_nan_sign_free(got), _nan_sign_free(ref))
+
+
+@ignore_numpy_divide
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpreted_current_is_bit_exact(dtype, fmt, interpreted_casts):
+    for shape in INTERP_SHAPES:
+        for kind in KINDS:
+            x = make_input(shape, dtype, kind, seed=17)
+            for transpose in (False, True):
+                ref = fused.reference_quantize_current(x, fmt, transpose=transpose)
+                assert_same_cast_interp(_poisoned_launch(x, fmt, transpose, 0xAB), ref)
+
+
+@ignore_numpy_divide
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpreted_with_scale_is_bit_exact(dtype, fmt, interpreted_casts):
+    for shape in [(1, 1), (7, 13), (130, 70)]:
+        for kind in ("randn", "wide", "nan", "zeros"):
+            x = make_input(shape, dtype, kind, seed=23)
+            for scale_value, transpose, start in ((0.37, False, 0.5), (2.0**-10, True, math.nan),
+                                                  (1e4, True, 0.5)):  # 1e4 saturates most elements
+                scale = torch.tensor(scale_value)
+                ref_amax = torch.tensor(start)
+                ref = fused.reference_quantize_with_scale(x, scale, fmt, transpose=transpose,
+                                                          amax_out=ref_amax)
+                amax_out = torch.tensor(start)
+                got = _poisoned_launch(x, fmt, transpose, 0xAB, scale=scale, amax_out=amax_out)
+                assert_same_cast_interp(got, ref)
+
+
+@ignore_numpy_divide
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interpreted_rounds_ties_to_even_and_saturates(fmt, interpreted_casts):
+    vals = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).double()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, mids * (1 + 2.0**-20), mids * (1 - 2.0**-20),
+                   torch.tensor([fmt.max * 1.01, -fmt.max * 1.5, 1e30, -1e30])])
+    x = x.float().reshape(1, -1)
+    one = torch.tensor(1.0)
+    ref = fused.reference_quantize_with_scale(x, one, fmt, transpose=True)
+    assert_same_cast(_poisoned_launch(x, fmt, True, 0xAB, scale=one), ref)  # no NaN: exact
+
+
+@ignore_numpy_divide
+def test_interpreted_keeps_previous_scale_and_serves_quantize(interpreted_casts):
+    x = torch.zeros(300, 77, dtype=torch.bfloat16)
+    prev = torch.tensor(0.0625)
+    ref = fused.reference_quantize_current(x, Fp8Format.E4M3, prev_scale_inv=prev)
+    assert_same_cast(_poisoned_launch(x, Fp8Format.E4M3, False, 0xAB, prev_scale_inv=prev), ref)
+    y = make_input((130, 70), torch.bfloat16, "wide", seed=9)
+    before = fused.triton_calls["quantize_current"]
+    t = fs.Float8Tensor.quantize(y, "e4m3")  # dispatched to the (interpreted) Triton path
+    assert fused.triton_calls["quantize_current"] == before + 1
+    r = fused.reference_quantize_current(y, Fp8Format.E4M3)
+    assert bits_equal(t.fp8_data, r.data) and bits_equal(t.scale_inv, r.scale_inv)

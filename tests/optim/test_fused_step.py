@@ -575,43 +575,21 @@ def assert_optimizers_close(pa: list[nn.Parameter], oa: DistributedFusedAdam, pb
 
 
 # ============================================================================ CPU: the kernels interpreted
-# The same kernels run by Triton's interpreter (TRITON_INTERPRET=1: each program executed with numpy
-# on the CPU), so CI checks their indexing, masks, per-tile amax, FP8 encoding, 16-bit stores and
-# the optimizer's use of them without a GPU. What it cannot check is the compiled code
-# (vectorized loads, fma contraction, the hardware's conversions): the GPU tests above, on the H200.
+# The same kernels run by Triton's interpreter (tests/triton_interp.py), so CI checks their indexing,
+# masks, per-tile amax, FP8 encoding, 16-bit stores and the optimizer's use of them without a GPU.
 @pytest.fixture
 def interpreted(monkeypatch):
-    """The Triton kernels of ``triton_adam`` re-made as interpreted functions, serving CPU tensors
-    whenever FP8SHARD_TRITON allows (as ``use_triton`` does on CUDA); restored afterwards."""
-    pytest.importorskip("triton", reason="the interpreted-kernel tests need the triton package "
-                        "(Linux x86_64: pip install -e '.[interp]'; ./dev test installs it)")
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
+    """The Triton kernels of ``triton_adam`` made interpreted (``tests/triton_interp.py``), serving
+    CPU tensors whenever FP8SHARD_TRITON allows (as ``use_triton`` does on CUDA)."""
     from fp8shard._triton import triton_enabled
     from fp8shard.optim import distributed_fused_adam, triton_adam
+    from tests.triton_interp import interpreted as interpreted_kernels
 
-    # The interpreter converts fp32 -> bf16 by truncation (numpy has no bf16); the GPU's
-    # conversion, which the kernels' ``.to(bfloat16)`` compiles to, rounds to nearest even.
-    # Give the interpreter the GPU's rounding (PyTorch's conversion is the same RNE).
-    convert = interpreter._convert_float
-
-    def convert_rne(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16 and rounding_mode is None:
-            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch.bfloat16)
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return convert(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert_rne)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(triton_adam)
-    assert type(triton_adam._adam_kernel).__name__ == "InterpretedFunction"
-    for mod in (fs, distributed_fused_adam):
-        monkeypatch.setattr(mod, "use_triton", lambda *tensors: triton_enabled())
-    yield triton_adam
-    monkeypatch.undo()
-    importlib.reload(triton_adam)
+    with interpreted_kernels(monkeypatch, triton_adam):
+        assert type(triton_adam._adam_kernel).__name__ == "InterpretedFunction"
+        for mod in (fs, distributed_fused_adam):
+            monkeypatch.setattr(mod, "use_triton", lambda *tensors: triton_enabled())
+        yield triton_adam
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"ws{x[0]}r{x[1]}a{x[4]}b{x[5]}")
