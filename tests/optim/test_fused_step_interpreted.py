@@ -1,0 +1,81 @@
+"""The fused optimizer step's Triton kernels on the CPU, under Triton's interpreter
+(``tests/triton_interp.py``): the GPU tests of ``test_fused_step.py`` with the kernels executed by
+numpy, so CI checks their indexing, masks, per-tile amax, FP8 encoding, 16-bit stores and the
+optimizer's use of them without a GPU; and that the optimizer's fused step is opt-in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8shard.optim import fused_step as fs
+from tests.optim.test_fused_step import (
+    LAYOUTS,
+    _run_opt,
+    _train,
+    assert_optimizers_close,
+    check_cast_keeps_nan_and_saturates,
+    check_kernels,
+    check_layout,
+)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The Triton kernels of ``triton_adam`` made interpreted (``tests/triton_interp.py``), serving
+    CPU tensors whenever FP8SHARD_TRITON allows (as ``use_triton`` does on CUDA)."""
+    from fp8shard._triton import triton_enabled
+    from fp8shard.optim import distributed_fused_adam, triton_adam
+    from tests.triton_interp import interpreted as interpreted_kernels
+
+    with interpreted_kernels(monkeypatch, triton_adam):
+        assert type(triton_adam._adam_kernel).__name__ == "InterpretedFunction"
+        for mod in (fs, distributed_fused_adam):
+            monkeypatch.setattr(mod, "use_triton", lambda *tensors: triton_enabled())
+        yield triton_adam
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"ws{x[0]}r{x[1]}a{x[4]}b{x[5]}")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32],
+                         ids=str)
+def test_interpreted_kernels_match_the_reference(layout, dtype, interpreted, monkeypatch):
+    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+    check_layout(layout, dtype, "cpu")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_interpreted_kernels_with_16bit_states(state_dtype, interpreted, monkeypatch):
+    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+    for mode in ("current", "delayed"):
+        check_kernels(3, 2, [5000, 77, 2048], torch.float8_e4m3fn, bucket=4096, align=16,
+                      grad_dtype=torch.bfloat16, state_dtype=state_dtype, adam_w=True, mode=mode,
+                      block=fs.DEFAULT_BLOCK, clip=False, device="cpu")
+
+
+def test_interpreted_cast_keeps_nan_and_saturates(interpreted, monkeypatch):
+    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+    check_cast_keeps_nan_and_saturates("cpu")
+
+
+@pytest.mark.parametrize(("scaling", "state_dtype"),
+                         [("current", torch.bfloat16), ("delayed", torch.float32)], ids=str)
+def test_optimizer_with_interpreted_kernels_matches_without(scaling, state_dtype, interpreted, monkeypatch):
+    """``test_optimizer_with_triton_matches_without`` on the CPU, the kernels interpreted (the
+    reference is then the CPU's Adam); two of its four cases (about 20 s each interpreted)."""
+    pa, oa = _run_opt("1", monkeypatch, 6, scaling, state_dtype, clip=0.5, device="cpu")
+    pb, ob = _run_opt("0", monkeypatch, 6, scaling, state_dtype, clip=0.5, device="cpu")
+    assert oa.state_dict()["step"] == ob.state_dict()["step"] == 5
+    assert_optimizers_close(pa, oa, pb, ob, state_dtype, lr=1e-2)
+
+
+def test_fused_step_is_opt_in(interpreted, monkeypatch):
+    """Until the kernels have run compiled on a GPU, the optimizer takes its fused step only with
+    FP8SHARD_FUSED_ADAM=1 (``use_triton`` allowing it is not enough); a bad value is an error."""
+    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+    monkeypatch.delenv("FP8SHARD_FUSED_ADAM", raising=False)
+    assert _train(None, steps=1)[1]._fused is None
+    monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "1")
+    assert _train(None, steps=1)[1]._fused is not None
+    monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "yes please")
+    with pytest.raises(ValueError, match="FP8SHARD_FUSED_ADAM must be 0 or 1"):
+        _train(None, steps=1)
