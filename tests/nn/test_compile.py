@@ -26,3 +26,24 @@ def test_compile_matches_eager_cpu(recipe, fp8_params):
 ])
 def test_compile_matches_eager_cuda(recipe, fp8_params):
     compile_case("cuda", recipe, fp8_params)
+
+
+@pytest.mark.parametrize("fp8_params", [False, True], ids=["hp_weight", "fp8_weight"])
+def test_delayed_state_made_under_compile_on_older_dynamo(fp8_params, monkeypatch):
+    """torch < 2.13 (flag forced here; set by itself there): a delayed-scaling layer compiled
+    without prepare_delayed_scaling runs its first call eagerly and then compiles, matching eager
+    (torch 2.11's Dynamo failed on the graph break the newer path takes: the layers' frames are
+    then compiled, the frame around them runs eagerly); fullgraph=True says to call
+    prepare_delayed_scaling."""
+    import torch
+
+    from fp8shard.nn import Linear, linear
+
+    monkeypatch.setattr(linear, "_STATE_IN_GRAPH_BREAKS_DYNAMO", True)
+    compile_case("cpu", fs.DelayedScaling(amax_history_len=4), fp8_params)
+    torch._dynamo.reset()  # a fresh Dynamo: nothing cached from the compiles above
+    with fs.fp8_model_init(enabled=fp8_params):
+        layer = Linear(64, 32)
+    with pytest.raises(Exception, match=r"call fs\.nn\.prepare_delayed_scaling\(model, recipe\) before"), \
+            fs.fp8_autocast(recipe=fs.DelayedScaling()):
+        torch.compile(layer, fullgraph=True)(torch.randn(16, 64))

@@ -31,6 +31,11 @@ from fp8shard.nn.model_init import current_model_init
 # Slots of a layer's delayed-scaling state: one per GEMM operand.
 SLOT_INPUT, SLOT_WEIGHT, SLOT_GRAD_OUTPUT = 0, 1, 2
 
+# torch 2.11's Dynamo (2.12 untested) fails to trace _Fp8LinearFn (an AssertionError in its
+# autograd.Function support) once a layer's delayed-scaling buffers were made by a graph break
+# inside a compiled call; see Linear._ensure_delayed_state.
+_STATE_IN_GRAPH_BREAKS_DYNAMO = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
 
 def _quantize(t: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot: int,
               history: torch.Tensor | None, transpose: bool,
@@ -215,6 +220,16 @@ class Linear(torch.nn.Linear):
 
     def _ensure_delayed_state(self, recipe: DelayedScaling) -> None:
         if self._amax_state is None or self._amax_state.recipe != recipe:
+            if _STATE_IN_GRAPH_BREAKS_DYNAMO and torch.compiler.is_compiling():
+                # Not a graph break through _init_delayed_state (what torch 2.13 takes): an
+                # exception raised while tracing makes Dynamo run this call's frame eagerly,
+                # state made as in eager, and later calls compile. Under fullgraph=True this is
+                # the error the caller sees.
+                raise RuntimeError(
+                    "fs.nn.Linear: this layer's delayed-scaling state does not exist yet and "
+                    f"torch {torch.__version__}'s Dynamo cannot compile the layer around its "
+                    "creation; call fs.nn.prepare_delayed_scaling(model, recipe) before "
+                    "torch.compile (trainer.compile=true does)")
             self._init_delayed_state(recipe)
 
     @torch.compiler.disable
