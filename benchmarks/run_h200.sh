@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project proves on the lent H200, in one call of the device tool:
 #   run(command="bash benchmarks/run_h200.sh PART", carry=[".whl"])
-# PART: tests | micro | train | peers | all. Logs and JSON land in $OUT (or ./h200_out).
+# PART: tests | micro | train | peers | speed | all. Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/h200_out}"
 mkdir -p "$OUT"
@@ -38,4 +38,15 @@ if [ "$part" = train ] || [ "$part" = all ]; then
 fi
 if [ "$part" = peers ] || [ "$part" = all ]; then
   run $py benchmarks/compare_peers.py --gpu --out "$OUT/compare_peers_gpu.json" 2>&1 | tail -15
+fi
+if [ "$part" = speed ] || [ "$part" = all ]; then
+  # Issue 8 after the fused kernels: the fused Adam step checked and timed (it is opt-in until
+  # this has run), the 1.3B step re-profiled, eager vs compiled against torchao, the Linear.
+  run $py benchmarks/smoke_triton_adam.py --params-m 256 --sweep --out "$OUT/smoke_triton_adam.json" 2>&1 | tail -25
+  run $py benchmarks/profile_step.py --out "$OUT/profile_after" 2>&1 | tail -30
+  FP8SHARD_FUSED_ADAM=1 run $py benchmarks/profile_step.py --systems fp8shard-fp8 --out "$OUT/profile_after_fused_adam" 2>&1 | tail -15
+  run $py benchmarks/compare_peers.py --gpu --compile --systems fp8shard-fp8,fp8shard-bf16,torchao-fsdp2 \
+    --out "$OUT/compare_peers_compile.json" 2>&1 | tail -12
+  run $py benchmarks/profile_linear.py --variants "bf16,fp8 current,fp8 delayed,fp8 params" \
+    --modes compile,eager 2>&1 | tail -20
 fi
