@@ -231,7 +231,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--gpu needs CUDA")
     n = int(args.params_m * 1e6)
     rows = []
-    saved = os.environ.get("FP8SHARD_TRITON")
+    saved = {k: os.environ.get(k) for k in ("FP8SHARD_TRITON", "FP8SHARD_FUSED_ADAM")}
     for name, weights, bytes_per_param, triton, scaling in GPU_VARIANTS:
         params = _gpu_params(n, weights)
         count = sum(p.numel() for p in params)
@@ -253,10 +253,11 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
                     times.append(t)
             fused = getattr(opt, "_fused", None) is not None
         finally:
-            if saved is None:
-                os.environ.pop("FP8SHARD_TRITON", None)
-            else:
-                os.environ["FP8SHARD_TRITON"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if triton == "1" and not fused:
             print(f"note: {name}: the Triton path did not run (is triton installed?)")
         sec = statistics.median(times)

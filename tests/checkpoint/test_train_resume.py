@@ -17,26 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from fp8shard.checkpoint import latest_checkpoint, list_checkpoints, read_manifest
-from fp8shard.checkpoint.io import single_process_quiet
-from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader, read_dcp_metadata
+from tests.reliability.common import checkpoint_tensors
 from tests.train.helpers import TINY, kill_pids, process_tree, read_metrics, run_train, train_command
 
 FAST = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2", "trainer.val_check_interval=20",
         "model.optim.sched.warmup_steps=3"]
 STEPS, STOP = 20, 10
-
-
-def _tensors(ck: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (model, optimizer, RNG), read whole."""
-    md = read_dcp_metadata(ck)
-    out = {k: torch.empty(list(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
-    with single_process_quiet():
-        dcp.load(out, storage_reader=SafeFileSystemReader(ck), planner=PiecesLoadPlanner({}), no_dist=True)
-    return out
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -46,7 +35,7 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 def _assert_same_final_state(run_a: Path, run_b: Path) -> None:
     last_a, last_b = latest_checkpoint(run_a / "checkpoints"), latest_checkpoint(run_b / "checkpoints")
     assert last_a.name == last_b.name == f"step_{STEPS:08d}"
-    ta, tb = _tensors(last_a), _tensors(last_b)
+    ta, tb = checkpoint_tensors(last_a), checkpoint_tensors(last_b)
     assert ta.keys() == tb.keys()
     # Python's and NumPy's global generators are seeded from the OS at process start and unused
     # by training: they differ between any two runs. Everything else must be equal.
