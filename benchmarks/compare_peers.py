@@ -11,6 +11,8 @@ Systems (same model shapes, data, steps and seed):
   zero-adamw     torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
   torchao-fsdp2  torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
                  where the backend allows it (gloo has no float8: off there, said in the output)
+  --recipe       fp8shard-fp8's activation scaling: delayed (the training default, NeMo's) or
+                 current (per-tensor amax of each cast, as torchao's tensorwise recipe)
   --compile      adds "<system>+compile" after each fp8shard system chosen: the same model with
                  every transformer block torch.compile'd in place, as ``trainer.compile=true``
                  does (fp8shard.train.builders.compile_blocks), so eager and compiled fp8shard
@@ -203,8 +205,9 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
             model = GPT(gcfg).to(device)
         model.to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
-        recipe = fs.CurrentScaling()
-        note = _compile_fp8shard(model, recipe) if compiled else note
+        recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
+        note = f"{cfg.get('recipe', 'delayed')} scaling"
+        note += "; " + _compile_fp8shard(model, recipe) if compiled else ""
         return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
@@ -389,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--compile", action="store_true",
                     help="also run each chosen fp8shard system with its blocks compiled ('+compile' rows)")
+    ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
+                    help="fp8shard-fp8's scaling recipe (default: delayed, the training default)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    cfg = _config(args)
+    cfg = dict(_config(args), recipe=args.recipe)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and not s.startswith("fp8shard")):

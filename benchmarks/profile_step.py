@@ -137,9 +137,11 @@ def main() -> int:
     ap.add_argument("--systems", default="fp8shard-fp8,fp8shard-bf16")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
+                    help="fp8shard-fp8's scaling recipe (compare_peers.py --recipe)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    cfg = cp._config(argparse.Namespace(gpu=True, quick=False, steps=None))
+    cfg = dict(cp._config(argparse.Namespace(gpu=True, quick=False, steps=None)), recipe=args.recipe)
     if args.layers:
         cfg["model"]["num_layers"] = args.layers
     os.makedirs(args.out, exist_ok=True)
@@ -150,7 +152,8 @@ def main() -> int:
     dist.destroy_process_group()
     tokens = cfg["global_batch"] * cfg["seq_len"]
     print(f"profile_step: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"GPT {cfg['model']['num_layers']}x{cfg['model']['hidden_size']}, {tokens} tokens/step")
+          f"GPT {cfg['model']['num_layers']}x{cfg['model']['hidden_size']}, {tokens} tokens/step, "
+          f"fp8 recipe {args.recipe}")
     for r in rows:
         ph = r["phases_ms"]
         print(f"\n{r['system']}: wall {r['wall_ms']:.1f} ms ({tokens / r['wall_ms'] * 1e3:,.0f} tok/s), "

@@ -103,3 +103,47 @@ def compile_case(device: str, recipe: object, fp8_params: bool) -> None:
                 assert a.fp8_amax_history.abs().sum() > 0
                 torch.testing.assert_close(a.fp8_amax_history, b.fp8_amax_history)
                 torch.testing.assert_close(a.fp8_scale, b.fp8_scale)
+
+
+def bias_epilogue_case(device: str, dtype: torch.dtype, monkeypatch) -> None:
+    """The bias goes into the forward GEMM's epilogue ([Note: bias epilogue]) where the output is
+    16-bit: added to the fp32 result, rounded once; its gradient is the column sum of dy."""
+    from fp8shard.fp8 import Float8Tensor, Fp8Format
+    from fp8shard.fp8.gemm import fp8_mm
+
+    biases: list[torch.Tensor | None] = []
+    original = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        biases.append(kwargs.get("bias"))
+        return original(*args, **kwargs)
+
+    torch.manual_seed(0)
+    with fs.fp8_model_init():
+        layer = Linear(64, 48, device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(48, device=device) * 3)  # big enough for roundings to show
+    x = torch.randn(2, 16, 64, device=device, dtype=dtype)
+    dy = torch.randn(2, 16, 48, device=device, dtype=dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    y, _, _, db = fwd_bwd(layer, x, dy, fs.CurrentScaling())
+    monkeypatch.setattr(torch, "_scaled_mm", original)
+    epilogue = dtype in (torch.bfloat16, torch.float16)
+    assert len(biases) == 3 and biases[1] is None and biases[2] is None  # dgrad and wgrad: none
+    assert (biases[0] is layer.bias) == epilogue  # the forward GEMM takes it (16-bit output)
+    xq = Float8Tensor.quantize(x.reshape(-1, 64), Fp8Format.E4M3)
+    w = layer.weight
+    acc = fp8_mm(xq._data, xq._scale_inv, w._data.t(), w._scale_inv, torch.float32)
+    ref = (acc + layer.bias.detach().float()).to(dtype)  # one rounding
+    if device == "cpu":
+        assert torch.equal(y.reshape(-1, 48), ref)
+    else:  # cuBLAS may fuse the scale and the bias add (one fma): one ulp at most
+        torch.testing.assert_close(y.reshape(-1, 48), ref, rtol=2**-7, atol=0)
+    if epilogue:  # a separate add would round twice: it shows somewhere in 1536 outputs
+        assert not torch.equal(ref, acc.to(dtype) + layer.bias.detach())
+    assert db is not None and db.dtype == dtype
+    db_ref = dy.reshape(-1, 48).float().sum(0).to(dtype)
+    if device == "cpu":
+        assert torch.equal(db, db_ref)
+    else:  # another summation order of the same fp32 sums
+        torch.testing.assert_close(db, db_ref, rtol=2**-7, atol=1e-6)

@@ -126,3 +126,72 @@ def test_amaxes_are_reduced_in_one_all_reduce_per_step(dist_pools):
     for r in results:
         assert torch.equal(r["reduced"], expected)
         assert torch.equal(r["scales"], results[0]["scales"])  # every rank: the same scales
+
+
+def _layers_with_amaxes(recipes: list[fs.DelayedScaling], seed: int) -> list[Linear]:
+    """Layers with delayed-scaling state, some history, and a fresh row 0 (one is all zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for i, recipe in enumerate(recipes):
+        layer = Linear(8, 8)
+        layer.init_delayed_scaling(recipe)
+        with torch.no_grad():
+            layer.fp8_amax_history.copy_(torch.rand(layer.fp8_amax_history.shape, generator=gen) * 10)
+            layer.fp8_scale.copy_(torch.rand(3, generator=gen) + 0.5)
+            if i == 1:
+                layer.fp8_amax_history[0].zero_()  # did not run since the last reduction
+            if i == 2:
+                layer.fp8_amax_history[0, 2] = float("nan")  # a NaN amax keeps that scale
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("only_if_ran", [False, True], ids=["pending", "prepared"])
+def test_batched_scale_update_equals_layer_by_layer(only_if_ran):
+    """[Note: batched scale update]: one stacked update gives the bits the layer-by-layer
+    ``update_fp8_scales`` gives, for layers of several recipes in one reduction."""
+    from fp8shard.nn.autocast import _reduce_group
+
+    recipes = [fs.DelayedScaling(amax_history_len=4), fs.DelayedScaling(amax_history_len=4),
+               fs.DelayedScaling(amax_history_len=4, margin=2),
+               fs.DelayedScaling(amax_history_len=6, amax_compute_algo="most_recent"),
+               fs.DelayedScaling(amax_history_len=4)]
+    batched, reference = _layers_with_amaxes(recipes, 0), _layers_with_amaxes(recipes, 0)
+    hist_ids = [id(m.fp8_amax_history) for m in batched]
+    _reduce_group(batched, None, only_if_ran=only_if_ran)
+    for layer in reference:  # the specification: one layer at a time
+        ran = bool((layer.fp8_amax_history[0] != 0).any())
+        if ran or not only_if_ran:
+            layer.update_fp8_scales()
+    for a, b in zip(batched, reference, strict=True):
+        assert torch.equal(a.fp8_amax_history.nan_to_num(-1), b.fp8_amax_history.nan_to_num(-1))
+        assert torch.equal(a.fp8_scale, b.fp8_scale)
+        assert a._amax_state.history is a.fp8_amax_history and a._amax_state.scale is a.fp8_scale
+    assert [id(m.fp8_amax_history) for m in batched] == hist_ids  # updated in place
+    assert not torch.equal(batched[0].fp8_scale, reference[0].fp8_scale * 0 + 1)  # it did change
+
+
+def test_scale_update_costs_the_same_ops_for_any_layer_count():
+    """The update is stacked: the ops it dispatches (GPU kernel launches) do not grow with the
+    number of layers, where a loop over layers costs some twenty per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8shard.nn.autocast import _reduce_group
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n_layers in (4, 32):
+        layers = _layers_with_amaxes([fs.DelayedScaling(amax_history_len=4)] * n_layers, 1)
+        with Count() as c:
+            _reduce_group(layers, None, only_if_ran=True)
+        counts.append(c.n)
+    # stack, unbind and _foreach_copy_ count once per call here (views and one fused copy)
+    assert counts[1] <= counts[0] + 2 * (32 - 4), counts  # unbind views only, no per-layer math

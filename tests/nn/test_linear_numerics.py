@@ -9,7 +9,7 @@ import fp8shard as fs
 from fp8shard.fp8.gemm import force_gemm_path, fp8_mm
 from fp8shard.nn import Linear
 from fp8shard.testing import sqnr_db
-from tests.nn._cases import bit_identical_case, fwd_bwd, sqnr_case
+from tests.nn._cases import bias_epilogue_case, bit_identical_case, fwd_bwd, sqnr_case
 
 RECIPES = {"current": fs.CurrentScaling(), "delayed": fs.DelayedScaling()}
 
@@ -261,3 +261,33 @@ def test_misaligned_dims_are_padded_on_cuda_and_match_emulation():
     # (seen on the H200: at most 1.5e-4 absolute, 9e-4 relative).
     for a, b in zip(padded, emulated, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=5e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bias_is_added_in_the_gemm_epilogue(dtype, monkeypatch):
+    bias_epilogue_case("cpu", dtype, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_bias_is_added_in_the_gemm_epilogue_cuda(dtype, monkeypatch):
+    bias_epilogue_case("cuda", dtype, monkeypatch)
+
+
+@pytest.mark.parametrize("path", ["padded", "emulated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fallback_gemm_paths_add_the_bias_as_scaled_mm_does(path, dtype):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 53, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(29, 53, generator=gen).to(torch.float8_e4m3fn)  # [N, K] row-major
+    bias = (torch.randn(29, generator=gen) * 3).to(dtype)
+    sa, sb = torch.tensor(0.5), torch.tensor(3.0)
+    ref = fp8_mm(a, sa, b.t(), sb, dtype, bias)
+    with force_gemm_path(path):
+        got = fp8_mm(a, sa, b.t(), sb, dtype, bias)
+    assert got.shape == (37, 29)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    exact = (a.double() @ b.double().t()) * 1.5 + bias.double()
+    torch.testing.assert_close(ref.double(), exact, rtol=2**-8, atol=1e-5)
+    with pytest.raises(ValueError, match="1-D bias of length 29"):
+        fp8_mm(a, sa, b.t(), sb, dtype, bias[:5])

@@ -68,14 +68,18 @@ def test_optimizer_with_interpreted_kernels_matches_without(scaling, state_dtype
     assert_optimizers_close(pa, oa, pb, ob, state_dtype, lr=1e-2)
 
 
-def test_fused_step_is_opt_in(interpreted, monkeypatch):
-    """Until the kernels have run compiled on a GPU, the optimizer takes its fused step only with
-    FP8SHARD_FUSED_ADAM=1 (``use_triton`` allowing it is not enough); a bad value is an error."""
+def test_fused_step_is_on_by_default_and_can_be_turned_off(interpreted, monkeypatch):
+    """Where Triton serves, the optimizer takes its fused step unless FP8SHARD_FUSED_ADAM=0
+    (or FP8SHARD_TRITON=0); a bad value is an error."""
     monkeypatch.setenv("FP8SHARD_TRITON", "1")
     monkeypatch.delenv("FP8SHARD_FUSED_ADAM", raising=False)
+    assert _train(None, steps=1)[1]._fused is not None
+    monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "0")
     assert _train(None, steps=1)[1]._fused is None
     monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "1")
-    assert _train(None, steps=1)[1]._fused is not None
+    monkeypatch.setenv("FP8SHARD_TRITON", "0")
+    assert _train(None, steps=1)[1]._fused is None
+    monkeypatch.setenv("FP8SHARD_TRITON", "1")
     monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "yes please")
     with pytest.raises(ValueError, match="FP8SHARD_FUSED_ADAM must be 0 or 1"):
         _train(None, steps=1)

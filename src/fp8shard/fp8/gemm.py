@@ -106,29 +106,62 @@ def fp8_mm(
     b_fp8_colmajor: torch.Tensor,
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(a · b) * a_scale_inv * b_scale_inv`` as ``out_dtype``; a: [M, K], b: [K, N] FP8.
+    """``(a · b) * a_scale_inv * b_scale_inv (+ bias)`` as ``out_dtype``; a: [M, K], b: [K, N] FP8.
 
     ``a_fp8`` must be row-major and ``b_fp8_colmajor`` column-major (``b.t()`` contiguous), the
     layout ``torch._scaled_mm`` wants; the scales are fp32 0-d inverse scales ([Note: scale]).
+    ``bias`` ([N], any float dtype) is added in fp32 before the one rounding to ``out_dtype``
+    ([Note: bias epilogue]).
     """
     m, k = a_fp8.shape
     n = b_fp8_colmajor.shape[1]
     device = a_fp8.device
     path = choose_gemm_path(device.type, device.index or 0, m, k, n)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8_mm: bias of shape {tuple(bias.shape)} for an output of {n} columns; "
+                         f"pass a 1-D bias of length {n}")
     if path == "emulated":
-        return _emulated_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype)
+        return _emulated_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype, bias)
     if path == "padded":
-        return _padded_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype)
-    return torch._scaled_mm(
-        a_fp8, b_fp8_colmajor, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype
-    )
+        return _padded_mm(a_fp8, a_scale_inv, b_fp8_colmajor, b_scale_inv, out_dtype, bias)
+    return _scaled_mm(a_fp8, b_fp8_colmajor, a_scale_inv, b_scale_inv, out_dtype, bias)
+
+
+# [Note: bias epilogue]
+#     torch._scaled_mm adds a bias in its epilogue, in fp32 after the scales and before the one
+#     rounding to the output dtype; the CUDA kernels take it only as a 16-bit bias for a 16-bit
+#     output of the same dtype. Then the bias costs no pass of its own (a separate broadcast add
+#     re-reads and re-writes the whole output). Any other combination (an fp32 output, a bias of
+#     another dtype) adds it to the fp32 accumulator's result the same way where the output is
+#     fp32 (one rounding), else after. Every path (scaled_mm, padded, emulated) follows this rule,
+#     so CPU and GPU round alike.
+_EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _bias_in_epilogue(bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
+    return bias is not None and out_dtype in _EPILOGUE_DTYPES and bias.dtype == out_dtype
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+               out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    if _bias_in_epilogue(bias, out_dtype):
+        return torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias,
+                                out_dtype=out_dtype)
+    out = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 def _emulated_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
-                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     # The FP8 values are exact in fp32; the product is taken in fp32, then scaled once.
     out = torch.mm(a.float(), b.float()) * (a_scale_inv.float() * b_scale_inv.float())
+    if _bias_in_epilogue(bias, out_dtype):
+        out = out + bias.float()  # type: ignore[union-attr]
+    elif bias is not None:
+        return out.to(out_dtype) + bias.to(out_dtype)
     return out.to(out_dtype)
 
 
@@ -142,11 +175,12 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _padded_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
-               b_scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+               b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[1]
     mp, kp, np_ = (-(-d // _ALIGN) * _ALIGN for d in (m, k, n))
     a_p = _pad_to(a, mp, kp).contiguous()  # [mp, kp] row-major
     b_p = _pad_to(b.t(), np_, kp).contiguous().t()  # [kp, np] column-major
-    out = torch._scaled_mm(a_p, b_p, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype)
-    return out[:m, :n]
+    bias_p = None if bias is None else F.pad(bias, (0, np_ - n))  # zero columns are sliced off
+    return _scaled_mm(a_p, b_p, a_scale_inv, b_scale_inv, out_dtype, bias_p)[:m, :n]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp8shard.fp8.scaling import CurrentScaling, DelayedScaling, Recipe
+from fp8shard.fp8.scaling import CurrentScaling, DelayedScaling, Recipe, scale_from_amax
 from fp8shard.nn import overflow
 
 
@@ -150,15 +150,43 @@ def _reduce_group(layers: list[Any], group: Any, only_if_ran: bool = False) -> N
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     overflow.observe(layers, packed)  # [Note: overflow check]: before the scales change
     ran = (packed != 0).any(dim=1) if only_if_ran else None  # NaN != 0: a NaN amax counts
-    for i, (layer, row) in enumerate(zip(layers, packed, strict=True)):
-        if ran is None:
-            layer.fp8_amax_history[0].copy_(row)
-            layer.update_fp8_scales()
-            continue
-        # Decided on the device: a prepared layer that did not run keeps its state.
-        hist, scale = layer.fp8_amax_history, layer.fp8_scale
-        old_hist, old_scale = hist.clone(), scale.clone()
-        hist[0].copy_(row)
-        layer.update_fp8_scales()
-        hist.copy_(torch.where(ran[i], hist, old_hist))
-        scale.copy_(torch.where(ran[i], scale, old_scale))
+    # Layers of one recipe and device are updated together: a fixed number of kernels per step
+    # instead of some twenty per layer (one GPU launch each) -- [Note: batched scale update].
+    batches: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        h = layer.fp8_amax_history
+        batches.setdefault((layer._amax_state.recipe, tuple(h.shape), h.device), []).append(i)
+    for (recipe, _, _), idx in batches.items():
+        rows = packed if len(idx) == len(layers) else packed[idx]
+        _update_scales([layers[i] for i in idx], recipe, rows,
+                       None if ran is None else (ran if len(idx) == len(layers) else ran[idx]))
+
+
+# [Note: batched scale update]
+#     What ``Linear.update_fp8_scales`` (``AmaxHistory.update``) does to one layer, done to a
+#     stack of L layers' ``[len, 3]`` histories at once: row 0 <- the reduced amaxes, scales from
+#     the window (``scale_from_amax``, elementwise, so the same bits as layer by layer), roll,
+#     zero row 0, and the results copied back into each layer's buffers in place (tensors a
+#     pending backward captured stay live). With ``ran`` (prepared layers), a layer whose row
+#     was all zero keeps its old window and scales, decided on the device.
+def _update_scales(layers: list[Any], recipe: DelayedScaling, rows: torch.Tensor,
+                   ran: torch.Tensor | None) -> None:
+    hists = [layer.fp8_amax_history for layer in layers]
+    scales = [layer.fp8_scale for layer in layers]
+    device = hists[0].device
+    old_h, old_s = torch.stack(hists), torch.stack(scales)  # [L, len, 3], [L, 3]
+    fmt_max = torch.stack([layer._amax_state.fmt_max.to(device) for layer in layers])
+    h = old_h.clone()
+    h[:, 0] = rows
+    window = h.amax(dim=1) if recipe.amax_compute_algo == "max" else h[:, 0]
+    new_s = scale_from_amax(window, fmt_max, old_s, recipe.margin)
+    h = torch.roll(h, shifts=-1, dims=1)
+    h[:, 0].zero_()
+    if ran is not None:
+        h = torch.where(ran[:, None, None], h, old_h)
+        new_s = torch.where(ran[:, None], new_s, old_s)
+    torch._foreach_copy_(hists, list(h.unbind(0)))
+    torch._foreach_copy_(scales, list(new_s.unbind(0)))
+    for layer in layers:  # the layer's AmaxHistory keeps pointing at its buffers
+        state = layer._amax_state
+        state.history, state.scale = layer.fp8_amax_history, layer.fp8_scale

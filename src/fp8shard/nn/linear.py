@@ -61,10 +61,13 @@ def _weight_transpose(weight: Float8Tensor) -> torch.Tensor:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """x [.., in], W [out, in] -> x·Wᵀ with the three GEMMs of [Note: three GEMMs] in FP8."""
+    """x [.., in], W [out, in], b [out] or None -> x·Wᵀ + b with the three GEMMs of
+    [Note: three GEMMs] in FP8; the bias is added in the forward GEMM's epilogue
+    ([Note: bias epilogue]) and its gradient is the column sum of dy."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fwd_fmt: Fp8Format, bwd_fmt: Fp8Format,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                fwd_fmt: Fp8Format, bwd_fmt: Fp8Format,
                 scales: torch.Tensor | None, history: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [T, in]
         # The backward needs x only as xᵀ (wgrad) and W only as Wᵀ (dgrad): the casts write
@@ -90,11 +93,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         else:
             w_fp8, w_t, w_scale_inv = _quantize(weight, fwd_fmt, scales, SLOT_WEIGHT, history, need_dgrad)
             ctx.fp8_weight = None
-        y = fp8_mm(x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, x.dtype)  # [T, out]
+        y = fp8_mm(x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, x.dtype, bias)  # [T, out]
         ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
         # Not saved tensors: the amax step of a reused layer writes to them between uses.
         ctx.scales, ctx.history, ctx.bwd_fmt = scales, history, bwd_fmt
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -103,7 +107,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])  # [T, out]
         dy_fp8, dy_t, dy_scale_inv = _quantize(dy2d, ctx.bwd_fmt, ctx.scales, SLOT_GRAD_OUTPUT,
                                                ctx.history, ctx.needs_input_grad[1])
-        dx = dw = None
+        dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if ctx.fp8_weight is not None:
                 w_t = _weight_transpose(ctx.fp8_weight)
@@ -111,7 +115,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # dyᵀ [out, T] row-major · (xᵀ [in, T] row-major).t(): [T, in] column-major.
             dw = fp8_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, ctx.w_dtype)
-        return dx, dw, None, None, None, None
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # from dy, not its FP8 bytes
+        return dx, dw, db, None, None, None, None
 
 
 class _DequantizeWithGrad(torch.autograd.Function):
@@ -202,10 +208,7 @@ class Linear(torch.nn.Linear):
             scales, history = self.fp8_scale, self.fp8_amax_history
             register_pending(self, state.group)
         fmt = recipe.fp8_format
-        y = _Fp8LinearFn.apply(x, self.weight, fmt.fwd, fmt.bwd, scales, history)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        return _Fp8LinearFn.apply(x, self.weight, self.bias, fmt.fwd, fmt.bwd, scales, history)
 
     # ------------------------------------------------------------------ delayed-scaling state
     def init_delayed_scaling(self, recipe: DelayedScaling) -> None:
