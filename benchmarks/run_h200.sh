@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project proves on the lent H200, in one call of the device tool:
 #   run(command="bash benchmarks/run_h200.sh PART", carry=[".whl"])
-# PART: tests | micro | train | peers | speed | all. Logs and JSON land in $OUT (or ./h200_out).
+# PART: tests | micro | train | peers | speed | all, or round2a / round2b / final (this round's checks). Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/h200_out}"
 mkdir -p "$OUT"
@@ -49,4 +49,21 @@ if [ "$part" = speed ] || [ "$part" = all ]; then
     --out "$OUT/compare_peers_compile.json" 2>&1 | tail -12
   run $py benchmarks/profile_linear.py --variants "bf16,fp8 current,fp8 delayed,fp8 params" \
     --modes compile,eager 2>&1 | tail -20
+fi
+if [ "$part" = round2a ]; then
+  # The bias epilogue, the batched scale update and the fused Adam default, checked and timed.
+  run $py -m pytest -p no:cacheprovider -q -m gpu tests/nn tests/optim/test_fused_step.py 2>&1 \
+    | tee "$OUT/pytest_gpu_round2.log" | tail -6
+  run $py benchmarks/smoke_triton_adam.py --params-m 256 --out "$OUT/smoke_triton_adam.json" 2>&1 | tail -14
+  run $py benchmarks/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tail -24
+fi
+if [ "$part" = round2b ]; then
+  run $py benchmarks/compare_peers.py --gpu --compile --systems fp8shard-fp8,fp8shard-bf16,torchao-fsdp2 \
+    --out "$OUT/compare_peers_compile.json" 2>&1 | tail -9
+  run $py benchmarks/profile_step.py --recipe delayed --out "$OUT/profile_delayed" 2>&1 | tail -24
+  run $py benchmarks/profile_step.py --systems fp8shard-fp8 --recipe current --out "$OUT/profile_current" 2>&1 | tail -11
+fi
+if [ "$part" = final ]; then  # every GPU test, then the GPT step re-profiled (both recipes' default)
+  run $py -m pytest -p no:cacheprovider -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+  run $py benchmarks/profile_step.py --recipe delayed --out "$OUT/profile_final" 2>&1 | tail -22
 fi

@@ -116,7 +116,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             # dyᵀ [out, T] row-major · (xᵀ [in, T] row-major).t(): [T, in] column-major.
             dw = fp8_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # from dy, not its FP8 bytes
+            # From dy, not its FP8 bytes; a 16-bit sum accumulates in fp32 and rounds once.
+            same = dy2d.dtype == ctx.b_dtype
+            db = dy2d.sum(0) if same else dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None
 
 

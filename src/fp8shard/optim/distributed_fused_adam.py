@@ -13,8 +13,8 @@ The pieces live in their own modules: layout (pure arithmetic), buffers (the ten
 (gradient and forward hooks), collectives (the only torch.distributed caller), adam (the math),
 fp8_weights (amax, scale, cast) and state_dict (model-space checkpoints).
 
-On CUDA with Triton (``fp8shard._triton.use_triton``) and ``FP8SHARD_FUSED_ADAM=1`` (default off
-until the kernels have run on a GPU), steps 3-4 run as the fused step of
+On CUDA with Triton (``fp8shard._triton.use_triton``; ``FP8SHARD_FUSED_ADAM=0`` turns it off),
+steps 3-4 run as the fused step of
 fused_step.py ([Note: fused step]): one pass reads the bf16 gradient shard in place (no fp32
 copy) and updates master and states, writing each tile's amax (and, with delayed scaling, the
 FP8 bytes); with current scaling a second pass casts after the amax all-reduce.
@@ -116,13 +116,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._init_master_and_attach()
         params_by_index = dict(enumerate(self._params))
         self.grad_sync = GradSync(self.regions, params_by_index, self.group, overlap_grad_sync)
-        self.param_sync = ParamSync(self.regions, self.group, self._on_param_ready)
+        self.param_sync = ParamSync(self.regions, self.group, self._on_params_ready)
         self._runs = self._adam_runs()
         self._grads: list[torch.Tensor] | None = None  # fp32 grad shards of this step
         # The fused step ([Note: fused step]): None lets use_triton() decide at each step (tests
         # set True to run its orchestration with the PyTorch reference ops on CPU).
         self._fused_path: bool | None = None
         self._fused: FusedStep | None = None  # tile tables, built at the first fused step
+        self._ready_slots: dict[tuple[int, ...], torch.Tensor] = {}  # _on_params_ready's indices
         self._fast = False  # this step's gradients go to the fused step (read in place, no copy)
         self._grad_coef: torch.Tensor | None = None  # fused step: clip coefficient, applied in-kernel
         self._stats: tuple[torch.Tensor, bool] | None = None  # (global sum of squares, non-finite)
@@ -313,11 +314,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             else:
                 rb.write_param_shards(rb.master.to(rb.dtype))
 
-    def _on_param_ready(self, index: int) -> None:
-        p = self._params[index]
-        if isinstance(p, Float8Tensor):
-            p._scale_inv.copy_(self._new_scale_inv[self.fp8.slot[index]])
-            p.mark_bytes_changed()  # drops the cached transpose (TE 1596)
+    def _on_params_ready(self, indices: list[int]) -> None:
+        fp8 = [i for i in indices if isinstance(self._params[i], Float8Tensor)]
+        if not fp8:
+            return
+        # One batched copy for all of them (a launch per parameter would cost host time).
+        key = tuple(fp8)
+        slots = self._ready_slots.get(key)
+        if slots is None:
+            slots = self._ready_slots[key] = torch.tensor(
+                [self.fp8.slot[i] for i in fp8], device=self._new_scale_inv.device)
+        new = self._new_scale_inv.index_select(0, slots)
+        dst = [self._params[i]._scale_inv for i in fp8]
+        torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new.unbind(0), dst, strict=True)])
+        for i in fp8:
+            self._params[i].mark_bytes_changed()  # drops the cached transpose (TE 1596)
 
     # ================================================================== gradients
     @contextlib.contextmanager

@@ -134,15 +134,16 @@ class GradSync:
 class ParamSync:
     """In-flight parameter all-gathers and the module pre-hooks that wait for them.
 
-    ``on_param_ready(index)`` runs once a parameter's every bucket has arrived (the optimizer
-    sets the FP8 scale there, so bytes and scale change together).
+    ``on_params_ready(indices)`` runs once the parameters' every bucket has arrived, with all
+    the parameters one wait completed (the optimizer sets their FP8 scales there in one batched
+    copy, so bytes and scale change together).
     """
 
     def __init__(self, regions: list[RegionBuffers], group: Group,
-                 on_param_ready: Callable[[int], None]) -> None:
+                 on_params_ready: Callable[[list[int]], None]) -> None:
         self.regions = regions
         self.group = group
-        self.on_param_ready = on_param_ready
+        self.on_params_ready = on_params_ready
         self.where = param_buckets(regions)
         self.bucket_params: dict[BucketKey, list[int]] = {}
         for i, (_, keys) in self.where.items():
@@ -159,14 +160,16 @@ class ParamSync:
                     rb.bucket(rb.param_buffer, b.index), kind=f"all_gather.params.{dtype}")
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
+        ready: list[int] = []
         for key in keys:
             h = self.pending.pop(key, None)
             if h is None:
                 continue
             h.wait()
-            for i in self.bucket_params[key]:
-                if not any(k in self.pending for k in self.where[i][1]):
-                    self.on_param_ready(i)
+            ready.extend(i for i in self.bucket_params[key]
+                         if not any(k in self.pending for k in self.where[i][1]))
+        if ready:
+            self.on_params_ready(ready)
 
     def wait_all(self) -> None:
         self.wait(list(self.pending))
