@@ -78,3 +78,13 @@ def test_memory_per_parameter_is_ordered_as_the_design_says(result):
     ddp = rows["ddp-adamw"]["bytes_per_param_total"]
     assert fp8 < bf16 < ddp
     assert ddp == pytest.approx(16.0, rel=1e-3)  # fp32 weight, grad, m, v (+ AdamW step scalars)
+
+
+def test_fp8_recipe_is_chosen_and_reported(result):
+    """fp8shard-fp8 runs the training default (delayed scaling) unless --recipe says otherwise,
+    and the row says which; a bad recipe is refused by the parser."""
+    assert result["config"]["recipe"] == "delayed"
+    assert "delayed scaling" in _rows(result)["fp8shard-fp8"]["note"]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_peers.py"), "--quick",
+                           "--recipe", "tensorwise"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "invalid choice: 'tensorwise'" in proc.stderr
