@@ -8,8 +8,9 @@ NCCL). After warm-up, ``--steps`` steps run under ``torch.profiler``; the CUDA k
 by category (name patterns below), and the step's wall time is compared with the time some
 kernel was running: ``gpu busy`` well under 100% means the step waits on the host (launch
 overhead, Python), not on the GPU. Phases (forward, backward, optimizer) are timed with CUDA
-events in separate un-profiled steps. Prints one table per system; writes ``DIR/profile.json``
-and ``DIR/<system>_kernels.txt`` (the 40 most expensive kernels).
+events in separate un-profiled steps. Prints one table per system; writes ``DIR/profile.json``,
+``DIR/<system>_kernels.txt`` (the 40 most expensive kernels) and ``DIR/<system>_host.txt`` (one
+step's Python functions under cProfile: where the host time goes).
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ def _phases(model, opt, ctx, x, y, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _host_profile(model, opt, ctx, x, y, path: str) -> None:
+    """One more step under cProfile: the Python functions the host spends the step in (what the
+    GPU waits for when ``gpu busy`` is low), by own time and by cumulative time. cProfile slows
+    Python down about 2x: read the ranking, not the absolute times."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    _step(model, opt, ctx, x, y)
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+
+
 def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
     device = torch.device("cuda", 0)
     model, opt, ctx, note = cp._build(system, cfg, device)
@@ -103,6 +126,7 @@ def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
             _step(model, opt, ctx, x, y)
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+    _host_profile(model, opt, ctx, x, y, os.path.join(out_dir, f"{system}_host.txt"))
     kernels: dict[str, tuple[float, int]] = {}
     for evt in prof.key_averages():
         dev_us = getattr(evt, "self_device_time_total", None)

@@ -31,7 +31,14 @@ def triton_importable() -> bool:
 
 
 def _env_flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip().lower()
+    # Read at every call (tests and benchmarks flip it), parsed once per value: this runs for
+    # every FP8 cast, on the host path the GPU waits for.
+    return _parse_flag(name, os.environ.get(name, default))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on")

@@ -154,6 +154,10 @@ class Linear(torch.nn.Linear):
     state dict; see [Note: amax reduction].
     """
 
+    # Set per instance by ``register_every_step`` (``prepare_delayed_scaling``); the class default
+    # keeps the per-call lookup in ``register_pending`` off ``Module.__getattr__``'s slow path.
+    _fp8_reduce_every_step = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         init_state = current_model_init()
