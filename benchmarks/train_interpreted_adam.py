@@ -21,23 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv: list[str]) -> int:
-    import numpy as np
-    import torch
-    import triton.language as tl
+    from tests.triton_interp import gpu_like_conversions
     from triton.runtime import interpreter
 
-    convert = interpreter._convert_float
-    fp8 = {str(tl.float8e4nv): torch.float8_e4m3fn, str(tl.float8e5): torch.float8_e5m2}
-
-    def gpu_like_convert(data, src, dst, rounding_mode):  # type: ignore[no-untyped-def]
-        if src == tl.float32 and ((dst == tl.bfloat16 and rounding_mode is None) or str(dst) in fp8):
-            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            if dst == tl.bfloat16:
-                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return t.to(fp8[str(dst)]).view(torch.uint8).numpy()
-        return convert(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = gpu_like_convert
+    interpreter._convert_float = gpu_like_conversions(interpreter._convert_float)
     from fp8shard._triton import triton_enabled
     from fp8shard.optim import distributed_fused_adam, fused_step
 

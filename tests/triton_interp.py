@@ -16,7 +16,7 @@ fma contraction, the hardware's NaN signs): the GPU tests (``-m gpu``, on the H2
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
@@ -27,6 +27,26 @@ REASON = ("the interpreted-kernel tests need the triton package (Linux x86_64: "
           "pip install -e '.[interp]'; ./dev test installs it)")
 
 
+def gpu_like_conversions(convert: Callable) -> Callable:
+    """The interpreter's ``_convert_float`` with the GPU's fp32 -> bf16 and fp32 -> FP8 rounding
+    (see the module docstring); every other conversion is ``convert``'s. Import after
+    ``TRITON_INTERPRET=1`` is set."""
+    import numpy as np
+    import triton.language as tl
+
+    fp8 = {str(tl.float8e4nv): torch.float8_e4m3fn, str(tl.float8e5): torch.float8_e5m2}
+
+    def gpu_like_convert(data, src, dst, rounding_mode):  # type: ignore[no-untyped-def]
+        if src == tl.float32 and ((dst == tl.bfloat16 and rounding_mode is None) or str(dst) in fp8):
+            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            if dst == tl.bfloat16:
+                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return t.to(fp8[str(dst)]).view(torch.uint8).numpy()
+        return convert(data, src, dst, rounding_mode)
+
+    return gpu_like_convert
+
+
 @contextmanager
 def interpreted(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> Iterator[None]:
     """``modules`` (Triton kernel modules) re-imported with interpreted kernels inside the block."""
@@ -35,7 +55,6 @@ def interpreted(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> Iterat
         # e.g. 3.6's interpreter makes program ids arrays, so `range(pid, n, nprog)` fails.
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot run these kernels; the "
                     f"'interp' extra pins 3.9.0")
-    import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -47,18 +66,7 @@ def interpreted(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> Iterat
         raise AssertionError("triton.language was imported before TRITON_INTERPRET=1 was set; "
                              "tests/conftest.py must set it before anything imports triton")
 
-    convert = interpreter._convert_float
-    fp8 = {str(tl.float8e4nv): torch.float8_e4m3fn, str(tl.float8e5): torch.float8_e5m2}
-
-    def gpu_like_convert(data, src, dst, rounding_mode):
-        if src == tl.float32 and ((dst == tl.bfloat16 and rounding_mode is None) or str(dst) in fp8):
-            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            if dst == tl.bfloat16:
-                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return t.to(fp8[str(dst)]).view(torch.uint8).numpy()
-        return convert(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", gpu_like_convert)
+    monkeypatch.setattr(interpreter, "_convert_float", gpu_like_conversions(interpreter._convert_float))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for mod in modules:
         importlib.reload(mod)
