@@ -116,6 +116,22 @@ def _current_scale(part_ptr, n_part, prev_ptr, HAS_PREV: tl.constexpr, FMAX: tl.
 
 
 @_jit
+def _cast_scale(pid, scale_ptr, prev_ptr, part_ptr, n_part, scale_inv_ptr, amax_ptr,
+                CURRENT: tl.constexpr, HAS_PREV: tl.constexpr, FMAX: tl.constexpr, P2: tl.constexpr):
+    """The scale a cast program uses: from the pass-1 partials (current scaling) or read from
+    memory (delayed); program 0 writes the amax (current) and ``scale_inv``."""
+    if CURRENT:
+        amax, scale = _current_scale(part_ptr, n_part, prev_ptr, HAS_PREV, FMAX, P2)
+        if pid == 0:
+            tl.store(amax_ptr, amax)
+    else:
+        scale = tl.load(scale_ptr)
+    if pid == 0:
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+    return scale
+
+
+@_jit
 def _amax_kernel(x_ptr, part_ptr, n, nblocks, IN_BF16: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -139,14 +155,8 @@ def _cast_kernel(x_ptr, out_ptr, n, nblocks, scale_ptr, prev_ptr, part_ptr, n_pa
                  BLOCK: tl.constexpr, P2: tl.constexpr, NAN_FIX: tl.constexpr = True):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if CURRENT:
-        amax, scale = _current_scale(part_ptr, n_part, prev_ptr, HAS_PREV, FMAX, P2)
-        if pid == 0:
-            tl.store(amax_ptr, amax)
-    else:
-        scale = tl.load(scale_ptr)
-    if pid == 0:
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+    scale = _cast_scale(pid, scale_ptr, prev_ptr, part_ptr, n_part, scale_inv_ptr, amax_ptr,
+                        CURRENT, HAS_PREV, FMAX, P2)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([], dtype=tl.int32)  # a scalar: a block-sized one costs registers
     for i in range(pid, nblocks, nprog):
@@ -172,14 +182,8 @@ def _cast_t_kernel(x_ptr, out_ptr, out_t_ptr, M, K, tiles_k, ntiles, scale_ptr, 
                    BM: tl.constexpr, BK: tl.constexpr, P2: tl.constexpr, NAN_FIX: tl.constexpr = True):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if CURRENT:
-        amax, scale = _current_scale(part_ptr, n_part, prev_ptr, HAS_PREV, FMAX, P2)
-        if pid == 0:
-            tl.store(amax_ptr, amax)
-    else:
-        scale = tl.load(scale_ptr)
-    if pid == 0:
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+    scale = _cast_scale(pid, scale_ptr, prev_ptr, part_ptr, n_part, scale_inv_ptr, amax_ptr,
+                        CURRENT, HAS_PREV, FMAX, P2)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
     offs = rm[:, None] * K + rk[None, :]  # [BM, BK] in x and out (int32: BM * K < 2**31)
