@@ -3,6 +3,7 @@
 from fp8shard.fp8 import ops as _ops  # noqa: F401  (registers the dispatch table)
 from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
+from fp8shard.fp8.gemm import get_fp8_gemm, set_fp8_gemm
 from fp8shard.fp8.scaling import (
     AmaxHistory,
     CurrentScaling,
@@ -16,5 +17,6 @@ from fp8shard.fp8.tensor import Float8Tensor
 
 __all__ = [
     "AmaxHistory", "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format", "Recipe",
-    "RecipeFormat", "amax", "cast_from_fp8", "cast_to_fp8", "scale_from_amax",
+    "RecipeFormat", "amax", "cast_from_fp8", "cast_to_fp8", "get_fp8_gemm", "scale_from_amax",
+    "set_fp8_gemm",
 ]

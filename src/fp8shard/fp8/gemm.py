@@ -7,13 +7,23 @@
 Which path serves a product is decided from the device and the dims alone, so it is the same
 for every call of a shape and can be folded into a ``torch.compile`` graph as a constant:
 
-* ``"scaled_mm"``: ``torch._scaled_mm`` directly (CPU: any dims; CUDA sm89+: dims multiples
-  of 16).
+* ``"scaled_mm"``: ``torch._scaled_mm`` directly (CPU: any dims, where it is fast -- see
+  below; CUDA sm89+: dims multiples of 16).
 * ``"padded"``: CUDA sm89+ with a dim that is not a multiple of 16. The operands are padded
   with zero bytes up to multiples of 16; zeros in K add nothing to the sums and extra rows or
   columns of M and N are sliced off, so the product is the same, still on FP8 tensor cores.
 * ``"emulated"``: everywhere else (GPUs older than sm89, other devices). The FP8 values are
   dequantized and multiplied in fp32: same rounding of the inputs, high-precision product.
+
+[Note: CPU GEMM choice]
+    On CPU, ``torch._scaled_mm`` is oneDNN's: fast where the CPU (or oneDNN's build) has an FP8
+    kernel, and oneDNN's *reference* kernel where it has none (e.g. AVX-512 + AMX Xeons without
+    FP8), 400-600x slower than a bf16 matmul of the same shape. The emulated path (FP8 values
+    widened to fp32, one fp32 product, scaled once) gives the same result up to the order of the
+    fp32 sums. So the CPU default (``"auto"``) is the emulated path unless a one-time
+    measurement at first use (:func:`measure_cpu_gemm`, a fraction of a second even against the
+    reference kernel) shows ``torch._scaled_mm`` is not slower on the machine at hand.
+    :func:`set_fp8_gemm` (the training command's ``model.fp8_gemm``) forces either path.
 
 A path other than ``"scaled_mm"`` is reported once per process and reason (``warnings`` and
 ``logging``), because it costs speed, not correctness. Under ``torch.compile`` the report and
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -34,9 +45,31 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PATHS = ("scaled_mm", "padded", "emulated")
+SETTINGS = ("auto", "scaled_mm", "emulated")
 _ALIGN = 16
 _forced_path: str | None = None
+_setting = "auto"
+_cpu_auto: dict[str, object] = {}  # the measured CPU choice, once per process
 _reported: set[str] = set()
+
+
+def set_fp8_gemm(setting: str) -> None:
+    """How every FP8 GEMM of this process is served ([Note: CPU GEMM choice]).
+
+    ``"auto"`` (default): CUDA sm89+ uses ``torch._scaled_mm`` (padded where dims are not
+    multiples of 16); CPU uses the emulated path unless a one-time measurement shows
+    ``torch._scaled_mm`` is not slower. ``"scaled_mm"``: always ``torch._scaled_mm`` (padded on
+    CUDA where needed). ``"emulated"``: FP8 inputs widened to fp32, product in fp32, everywhere.
+    """
+    global _setting
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown FP8 GEMM setting {setting!r}; choose one of {', '.join(SETTINGS)}")
+    _setting = setting
+
+
+def get_fp8_gemm() -> str:
+    """The setting made with :func:`set_fp8_gemm` (``"auto"`` unless changed)."""
+    return _setting
 
 
 @contextlib.contextmanager
@@ -74,6 +107,64 @@ def _cuda_fp8_capable(device_index: int) -> bool:
     return _FP8_CAPABLE[device_index]
 
 
+def _time_ms(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def measure_cpu_gemm(m: int = 128, k: int = 256, n: int = 256, repeats: int = 3) -> dict[str, float]:
+    """Best-of-``repeats`` milliseconds of one ``[m, k] x [k, n]`` FP8 GEMM on CPU, per path.
+
+    ``torch._scaled_mm`` is timed again only while it is within 4x of the emulated path, so a
+    reference kernel costs two calls (about half a second on such a CPU), once per process.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).t()  # [k, n] column-major
+    one = torch.ones((), dtype=torch.float32)
+    emulated = lambda: _emulated_mm(a, one, b, one, torch.bfloat16)
+    scaled = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    scaled()  # first calls pay one-time set-up costs
+    emulated()
+    t_emulated = _time_ms(emulated, repeats)
+    t_scaled = _time_ms(scaled, 1)
+    if t_scaled <= 4 * t_emulated:
+        t_scaled = min(t_scaled, _time_ms(scaled, repeats - 1))
+    return {"scaled_mm_ms": t_scaled, "emulated_ms": t_emulated}
+
+
+@torch.compiler.assume_constant_result
+def _cpu_auto_path() -> str:
+    # Measured once per process, natively (under torch.compile: while tracing, then a constant).
+    if "path" not in _cpu_auto:
+        timings = measure_cpu_gemm()
+        _cpu_auto.update(timings)
+        _cpu_auto["path"] = "scaled_mm" if timings["scaled_mm_ms"] <= timings["emulated_ms"] else "emulated"
+    return str(_cpu_auto["path"])
+
+
+def cpu_gemm_choice() -> dict[str, object]:
+    """What ``"auto"`` picks on CPU and the timings it picked from (measuring on first use)."""
+    _cpu_auto_path()
+    return dict(_cpu_auto)
+
+
+def resolved_gemm_path(device_type: str) -> str:
+    """The path ``"scaled_mm"`` or ``"emulated"`` this process uses on ``device_type`` for
+    aligned dims, after the setting and (CPU ``"auto"``) the measurement."""
+    if _forced_path is not None:
+        return _forced_path
+    if _setting != "auto":
+        return _setting
+    if device_type == "cpu":
+        return _cpu_auto_path()
+    return "scaled_mm" if device_type == "cuda" else "emulated"
+
+
 def choose_gemm_path(device_type: str, device_index: int, m: int, k: int, n: int) -> str:
     """The path that serves an ``[m, k] x [k, n]`` FP8 product on this device (see module doc).
 
@@ -81,8 +172,10 @@ def choose_gemm_path(device_type: str, device_index: int, m: int, k: int, n: int
     """
     if _forced_path is not None:
         return _forced_path
+    if _setting == "emulated":
+        return "emulated"
     if device_type == "cpu":
-        return "scaled_mm"
+        return "scaled_mm" if _setting == "scaled_mm" else _cpu_auto_path()
     if device_type == "cuda" and _cuda_fp8_capable(device_index):
         if m % _ALIGN == 0 and k % _ALIGN == 0 and n % _ALIGN == 0:
             return "scaled_mm"

@@ -15,12 +15,66 @@ import torch
 from torch import nn
 
 import fp8shard as fs
-from fp8shard.fp8 import Float8Tensor
+from fp8shard.fp8 import Float8Tensor, gemm
 from fp8shard.models import GPT, GPTConfig
 from fp8shard.train.config import Config
-from fp8shard.train.distributed import DistEnv
+from fp8shard.train.distributed import DistEnv, all_reduce_max
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_threads(setting: int | str) -> int:
+    """``trainer.num_threads``: auto takes OMP_NUM_THREADS, else the CPUs this process may use
+    shared out over the ranks on this node (torchrun sets OMP_NUM_THREADS=1 only for 2+ ranks)."""
+    if setting != "auto":
+        return int(setting)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def configure_compute(cfg: Config, env: DistEnv) -> dict[str, Any]:
+    """Set the CPU thread count and settle how FP8 GEMMs run, the same way on every rank.
+
+    With ``model.fp8_gemm=auto`` on CPU each rank measures both paths once
+    ([Note: CPU GEMM choice]); if any rank finds ``torch._scaled_mm`` slower, all use the
+    emulated path, so the ranks compute alike. Returns what the run reports.
+    """
+    info: dict[str, Any] = {}
+    if env.device.type == "cpu":
+        info["num_threads"] = cpu_threads(cfg.trainer.num_threads)
+        torch.set_num_threads(info["num_threads"])
+    gemm.set_fp8_gemm(cfg.model.fp8_gemm)
+    if not cfg.model.fp8:
+        return info
+    info["fp8_gemm"] = cfg.model.fp8_gemm
+    path = gemm.resolved_gemm_path(env.device.type)
+    if cfg.model.fp8_gemm == "auto" and env.device.type == "cpu":
+        info["fp8_gemm_timings_ms"] = {k: round(float(v), 3) for k, v in gemm.cpu_gemm_choice().items()
+                                       if k.endswith("_ms")}
+        emulated_somewhere = all_reduce_max([float(path == "emulated")], env)[0] > 0
+        path = "emulated" if emulated_somewhere else "scaled_mm"
+        gemm.set_fp8_gemm(path)
+    info["fp8_gemm_path"] = path
+    return info
+
+
+def describe_compute(info: dict[str, Any]) -> str:
+    """One phrase for the run's first line, e.g. ``FP8 GEMMs emulated (auto: ...), 1 thread``."""
+    parts = []
+    if "fp8_gemm_path" in info:
+        why = ""
+        if "fp8_gemm_timings_ms" in info:
+            t = info["fp8_gemm_timings_ms"]
+            why = f" (auto: _scaled_mm {t['scaled_mm_ms']:.2f} ms vs emulated {t['emulated_ms']:.2f} ms)"
+        elif info["fp8_gemm"] != "auto":
+            why = f" (model.fp8_gemm={info['fp8_gemm']})"
+        parts.append(f"FP8 GEMMs {info['fp8_gemm_path']}{why}")
+    if "num_threads" in info:
+        parts.append(f"{info['num_threads']} CPU thread(s) per rank")
+    return ", ".join(parts)
 
 
 def params_dtype(cfg: Config) -> torch.dtype:

@@ -69,6 +69,9 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the run fails with an error
     naming it (the process-group timeout); turns a hung rank into an error."""
+    num_threads: int | Literal["auto"] = "auto"
+    """CPU threads per rank (torch.set_num_threads). auto: OMP_NUM_THREADS if set (torchrun sets 1
+    for 2+ ranks), else the CPUs this process may use divided by the ranks on this node."""
     fp8_overflow_factor: float = 4.0
     """Delayed scaling: report (with the layer's name) an FP8 cast whose amax exceeds what its
     scale can represent (fmt.max / scale) by more than this factor; milder saturation is only
@@ -169,6 +172,11 @@ class ModelConfig:
     fp8_recipe: Literal["delayed", "current"] = "delayed"
     """Activation scaling: delayed (amax history, Transformer Engine's) or current (per-tensor amax
     of each cast)."""
+    fp8_gemm: Literal["auto", "scaled_mm", "emulated"] = "auto"
+    """How FP8 GEMMs run: auto (GPU: torch._scaled_mm; CPU: the emulated path unless a one-time
+    measurement shows torch._scaled_mm is not slower, since some CPUs serve it with a reference
+    kernel hundreds of times slower), scaled_mm (always torch._scaled_mm) or emulated (FP8 inputs
+    widened to fp32, product in fp32). docs/nn.md, 'Which GEMM path'."""
     fp8_margin: int = 0
     """Delayed scaling: scale = fmt.max / amax / 2**margin."""
     fp8_amax_history_len: int = 16

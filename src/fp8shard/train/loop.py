@@ -53,7 +53,9 @@ from fp8shard.train.builders import (
     build_optimizer,
     build_recipe,
     compile_blocks,
+    configure_compute,
     count_fp8_linears,
+    describe_compute,
     memory_by_category,
     params_dtype,
 )
@@ -130,6 +132,7 @@ class Trainer:
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
         self.ckpt_root = self.run_dir / "checkpoints"
         candidates = resume_candidates(cfg, self.ckpt_root)
+        self.compute = configure_compute(cfg, env)
         self.data: TokenData = load_data(cfg.data, m.encoder_seq_length)
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
@@ -385,7 +388,8 @@ class Trainer:
         cfg, env, rec = self.cfg, self.env, self.rec
         t = cfg.trainer
         rec.say(f"fp8shard.train: {self.num_params:,} params, {env.world_size} rank(s) on {env.device.type}, "
-                f"data {self.data.description}, run dir {self.run_dir}")
+                f"data {self.data.description}, run dir {self.run_dir}"
+                + (f"; {describe_compute(self.compute)}" if self.compute else ""))
         window_start, first_step = time.perf_counter(), self.step
         timed_tokens, timed_s = 0, 0.0
         last_loss, val_loss = float("nan"), float("nan")
@@ -535,6 +539,7 @@ class Trainer:
                     "fp8_recipe": m.fp8_recipe, "fp8_margin": m.fp8_margin,
                     "fp8_amax_history_len": m.fp8_amax_history_len,
                     "fp8_amax_compute_algo": m.fp8_amax_compute_algo},
+            "compute": self.compute,
             "data": self.data.description,
             "global_batch_size": m.global_batch_size,
             "micro_batch_size": m.micro_batch_size,

@@ -36,6 +36,8 @@ def _positive(cfg: Config) -> None:
     ]:
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.trainer.num_threads != "auto" and cfg.trainer.num_threads <= 0:
+        raise ConfigError(f"trainer.num_threads must be auto or > 0, got {cfg.trainer.num_threads}")
     for key, value in [
         ("trainer.gradient_clip_val", cfg.trainer.gradient_clip_val),
         ("model.optim.weight_decay", cfg.model.optim.weight_decay),
