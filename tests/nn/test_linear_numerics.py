@@ -155,7 +155,8 @@ def test_fallback_gemm_paths_match_scaled_mm(path):
     a = torch.randn(37, 53, generator=gen).to(torch.float8_e4m3fn)
     b = torch.randn(29, 53, generator=gen).to(torch.float8_e5m2)  # [N, K] row-major
     sa, sb = torch.tensor(0.5), torch.tensor(3.0)
-    ref = fp8_mm(a, sa, b.t(), sb, torch.float32)
+    with force_gemm_path("scaled_mm"):  # the CPU default may be emulated
+        ref = fp8_mm(a, sa, b.t(), sb, torch.float32)
     with force_gemm_path(path):
         got = fp8_mm(a, sa, b.t(), sb, torch.float32)
     assert got.shape == (37, 29)
@@ -266,6 +267,7 @@ def test_misaligned_dims_are_padded_on_cuda_and_match_emulation():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bias_is_added_in_the_gemm_epilogue(dtype, monkeypatch):
+    monkeypatch.setattr("fp8shard.fp8.gemm._setting", "scaled_mm")  # the case records its calls
     bias_epilogue_case("cpu", dtype, monkeypatch)
 
 
@@ -283,7 +285,8 @@ def test_fallback_gemm_paths_add_the_bias_as_scaled_mm_does(path, dtype):
     b = torch.randn(29, 53, generator=gen).to(torch.float8_e4m3fn)  # [N, K] row-major
     bias = (torch.randn(29, generator=gen) * 3).to(dtype)
     sa, sb = torch.tensor(0.5), torch.tensor(3.0)
-    ref = fp8_mm(a, sa, b.t(), sb, dtype, bias)
+    with force_gemm_path("scaled_mm"):  # the CPU default may be emulated
+        ref = fp8_mm(a, sa, b.t(), sb, dtype, bias)
     with force_gemm_path(path):
         got = fp8_mm(a, sa, b.t(), sb, dtype, bias)
     assert got.shape == (37, 29)
