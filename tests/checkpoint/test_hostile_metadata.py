@@ -467,3 +467,20 @@ def test_every_global_of_a_genuine_metadata_is_allowed(genuine):
     with open(genuine / ".metadata", "rb") as f:
         Recording(f).load()
     assert seen and all(g in planner._GLOBALS for g in seen), seen
+
+
+def test_storage_outside_the_manifest_is_refused(genuine, fresh, tmp_path):
+    """Metadata that reads its tensors from a file the manifest does not list (so no hash
+    vouches for it) passes ``read_dcp_metadata`` (the file is there) but is never loaded."""
+    def elsewhere(md) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = "unlisted.distcp"
+
+    case = Case("unlisted", _forged(elsewhere), "")
+    ck = _hostile_copy(genuine, tmp_path / "step_1", case, tmp_path / "MARKER")
+    shutil.copyfile(ck / "__0_0.distcp", ck / "unlisted.distcp")
+    read_dcp_metadata(ck)
+    listed = r"stores data in 'unlisted\.distcp', which manifest\.json does not list: refused"
+    with pytest.raises(CheckpointFormatError, match=listed) as e:
+        load_checkpoint(ck, *fresh)
+    _one_line(e)
