@@ -359,10 +359,13 @@ def _check_metadata(md: Any, directory: pathlib.Path) -> None:
         raise bad("state_dict_metadata and storage_data must be dicts")
     if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
         raise bad("storage_meta is not a StorageMeta")
+    if md.version is not None and type(md.version) is not str:
+        raise bad("version is not a string")
     file_sizes: dict[str, int] = {}
     for index, info in md.storage_data.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or type(index.fqn) is not str:
-            raise bad("storage_data must map MetadataIndex to _StorageInfo")
+        if (type(index) is not MetadataIndex or type(info) is not _StorageInfo or type(index.fqn) is not str
+                or (index.offset is not None and type(index.offset) is not torch.Size)):
+            raise bad("storage_data must map MetadataIndex (a name, an offset) to _StorageInfo")
         name = info.relative_path
         if not is_plain_name(name):
             raise bad(f"entry {index.fqn!r} is stored in {str(name)[:120]!r}, which is not a file of the "
