@@ -18,7 +18,9 @@ from fp8shard.checkpoint import (
     CheckpointFormatError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    list_checkpoints,
     load_checkpoint,
+    read_manifest,
     save_checkpoint,
 )
 from fp8shard.fp8 import Float8Tensor
@@ -156,7 +158,7 @@ def test_metadata_pickle_with_code_is_refused(saved, fresh, tmp_path):
     m["files"][".metadata"] = {"size": (ck / ".metadata").stat().st_size,
                                "sha256": hashlib.sha256((ck / ".metadata").read_bytes()).hexdigest()}
     (ck / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CheckpointFormatError, match=r"refers to (posix|os|nt)\.system.*refusing"):
+    with pytest.raises(CheckpointFormatError, match=r"refers to (posix|os|nt)\.system.*refused"):
         load_checkpoint(ck, *fresh)
     assert not marker.exists()
 
@@ -197,3 +199,20 @@ def test_fp8_checkpoint_into_high_precision_model_and_back(saved, tmp_path):
             assert torch.equal(f8.scale_inv, expect.scale_inv), n
     back_masters = {i: s["master"] for i, s in cases.optimizer_full(back_opt).items() if i >= 0}
     assert all(torch.equal(back_masters[i], masters[i]) for i in masters)
+
+
+def test_listing_skips_unreadable_manifests(saved, tmp_path):
+    """A manifest that is a FIFO (reading it would block) or far too large is never read whole:
+    such a directory is not a complete checkpoint, and the genuine one beside it is found."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _copy(saved[0], root / "step_00000002")
+    fifo = _copy(saved[0], root / "step_00000003")
+    (fifo / "manifest.json").unlink()
+    os.mkfifo(fifo / "manifest.json")
+    big = _copy(saved[0], root / "step_00000004")
+    with open(big / "manifest.json", "r+b") as f:
+        f.truncate(300 << 20)  # sparse
+    assert list_checkpoints(root) == [root / "step_00000002"]
+    with pytest.raises(CheckpointFormatError, match=r"manifest\.json is not a regular file"):
+        read_manifest(fifo)

@@ -8,6 +8,8 @@ directory absent, or every file under it unchanged; checkpoints used as input un
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,8 @@ class Case:
     arguments, {tmp} and {ck} stand for those two."""
     run_name: str = "run"
     """The run directory the case names; it is compared before and after."""
+    max_lines: int = 10
+    """Lines of stderr at most: the message (a mismatch lists a few parameters), then the hint."""
 
 
 def _write(name: str, data: bytes) -> Callable[[Path, Path], None]:
@@ -69,6 +73,62 @@ def _flip_byte(ck: Path) -> None:
 def _garble_manifest(ck: Path) -> None:
     manifest = next(p for p in ck.iterdir() if p.suffix == ".json")
     manifest.write_text("{ not json")
+
+
+def _manifest(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Change the checkpoint's manifest.json (a parsed copy, written back)."""
+
+    def damage(ck: Path) -> None:
+        m = json.loads((ck / "manifest.json").read_text())
+        edit(m)
+        (ck / "manifest.json").write_text(json.dumps(m))
+
+    return damage
+
+
+def _manifest_bytes(data: bytes) -> Callable[[Path], None]:
+    return lambda ck: (ck / "manifest.json").write_bytes(data)
+
+
+def _sparse_manifest(ck: Path) -> None:
+    with open(ck / "manifest.json", "r+b") as f:
+        f.truncate(300 << 20)  # 300 MiB, sparse: no disk is used
+
+
+def _replace_with(name: str, make: Callable[[Path], None]) -> Callable[[Path], None]:
+    def damage(ck: Path) -> None:
+        (ck / name).unlink()
+        make(ck / name)
+
+    return damage
+
+
+def _rename_file(old: str, new: str) -> Callable[[dict], None]:
+    return lambda m: m["files"].__setitem__(new, m["files"].pop(old))
+
+
+def _set(*path_and_value: object) -> Callable[[dict], None]:
+    """Set a nested field: _set("files", "__0_0.distcp", "size", -1)."""
+    *path, value = path_and_value
+
+    def edit(m: dict) -> None:
+        for k in path[:-1]:
+            m = m[k] if not callable(k) else k(m)
+        m[path[-1]] = value
+
+    return edit
+
+
+def _first(d: dict) -> object:
+    return d[next(iter(d))]
+
+
+def _first_param(m: dict) -> dict:
+    return _first(m["model"])
+
+
+def _group0(m: dict) -> dict:
+    return m["optimizer"]["param_groups"][0]
 
 
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
@@ -232,6 +292,61 @@ CASES = [
         _copy_ck(_truncate_shard, into="own"),
         run_name="own",
     ),
+    # ------------------------------------------------------------------ malformed manifest fields
+    *(Case(f"manifest-{cid}", [f"trainer.resume={CK}/step_00000002"], expect, _copy_ck(damage), max_lines=2)
+      for cid, damage, expect in [
+        ("not-utf8", _manifest_bytes(b'{"format": "\xff\xfe"}'), "not UTF-8 text"),
+        ("not-an-object", _manifest_bytes(b"[1, 2, 3]"), "is not an fp8shard checkpoint manifest"),
+        ("nested-too-deep", _manifest_bytes(b"[" * 100_000), "JSON nested too deeply"),
+        ("too-large", _sparse_manifest, "more than a manifest ever holds"),
+        ("is-a-fifo", _replace_with("manifest.json", os.mkfifo), "manifest.json is not a regular file"),
+        ("version-bool", _manifest(_set("version", True)), "field version must be an integer from 1"),
+        ("version-zero", _manifest(_set("version", 0)), "field version must be an integer from 1"),
+        ("step-negative", _manifest(_set("step", -1)), "field step must be null or an integer from 0"),
+        ("step-huge", _manifest(_set("step", 10**30)), "field step must be null or an integer from 0"),
+        ("step-string", _manifest(_set("step", "2")), "field step must be null or an integer"),
+        ("world-size-zero", _manifest(_set("world_size", 0)), "field world_size must be an integer from 1"),
+        ("rng-saved-missing", _manifest(lambda m: m.pop("rng_saved")),
+         "field rng_saved must be true or false"),
+        ("extra-not-object", _manifest(_set("extra", [1])), "field extra must be an object"),
+        ("files-not-object", _manifest(_set("files", [".metadata"])), "field files must be an object"),
+        ("files-metadata-unlisted", _manifest(lambda m: m["files"].pop(".metadata")),
+         "field files must be an object listing .metadata"),
+        ("files-escape-directory", _manifest(_rename_file("__0_0.distcp", "../__0_0.distcp")),
+         "field files may only name files directly inside the checkpoint directory, got '../__0_0.distcp'"),
+        ("files-absolute-path", _manifest(_rename_file("__0_0.distcp", "/etc/passwd")),
+         "got '/etc/passwd'"),
+        ("files-size-negative", _manifest(_set("files", "__0_0.distcp", "size", -1)),
+         "field files['__0_0.distcp'].size must be an integer >= 0"),
+        ("files-sha256-short", _manifest(_set("files", "__0_0.distcp", "sha256", "abc123")),
+         "field files['__0_0.distcp'].sha256 must be 64 lowercase hex digits"),
+        ("files-sha256-not-hex", _manifest(_set("files", "__0_0.distcp", "sha256", "zz" * 32)),
+         "sha256 must be 64 lowercase hex digits"),
+        ("data-file-is-device", _replace_with("__0_0.distcp", lambda p: p.symlink_to("/dev/zero")),
+         "__0_0.distcp is not a regular file"),
+        ("model-shape-negative", _manifest(_set(_first_param, "shape", [-1, 64])), "].shape must be a list"),
+        ("model-shape-huge", _manifest(_set(_first_param, "shape", [10**9, 10**9])),
+         "declares 1000000000000000000 elements, more than the"),
+        ("model-dtype-not-a-dtype", _manifest(_set(_first_param, "dtype", "os.system")),
+         "].dtype must name a torch dtype, got 'os.system'"),
+        ("model-kind-wrong", _manifest(_set(_first_param, "kind", "module")),
+         "].kind must be 'param' or 'buffer'"),
+        ("model-fp8-wrong", _manifest(_set(_first_param, "fp8", "e9m9")), "].fp8 must be null or one of"),
+        ("optimizer-step-negative", _manifest(_set("optimizer", "step", -3)),
+         "field optimizer.step must be an integer from 0"),
+        ("optimizer-params-entry-missing",
+         _manifest(lambda m: m["optimizer"]["params"].pop(next(iter(m["optimizer"]["params"])))),
+         "field optimizer.params must be an object with an entry for every parameter"),
+        ("optimizer-lr-string", _manifest(_set(_group0, "lr", "fast")),
+         "optimizer.param_groups[0].lr is fast, which cannot replace"),
+        ("optimizer-betas-out-of-range", _manifest(_set(_group0, "betas", [2.0, 0.9])),
+         "optimizer.param_groups[0] is invalid: betas must lie in [0, 1)"),
+        ("extra-step-negative", _manifest(_set("extra", "step", -5)), "field extra.step must be an integer"),
+        ("extra-log-window-short", _manifest(_set("extra", "log_window", "loss_sums", [])),
+         "field extra.log_window must be an object with loss_sums (1 numbers"),
+        ("extra-data-wrong", _manifest(_set("extra", "data", {"seed": "x"})),
+         "field extra.data must be an object with integers seed"),
+      ]),
     Case(
         "resume-never-over-checkpoints",
         ["trainer.resume=never"],
@@ -268,6 +383,6 @@ def test_bad_input(case, tmp_path, checkpointed, capsys):
     assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
     assert "Traceback" not in err and "Traceback" not in out
     assert err.startswith("fp8shard.train: error: ") and case.expect in err, err
-    assert len(err.splitlines()) <= 10  # one message (a mismatch lists a few parameters), then the hint
+    assert len(err.splitlines()) <= case.max_lines  # one message, then the hint
     assert tree_digest(tmp_path) == before  # nothing written: no run directory, no file changed
     assert tree_digest(checkpointed) == base

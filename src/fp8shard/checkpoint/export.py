@@ -30,6 +30,7 @@ from fp8shard.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from fp8shard.checkpoint.io import (
     LoadedCheckpoint,
     _check_keys,
+    check_storage_listed,
     read_manifest,
     resolve_checkpoint,
     single_process_quiet,
@@ -50,6 +51,7 @@ def _read(path: str | os.PathLike, names: list[str] | None, masters: list[str], 
     if verify:
         verify_files(ck, manifest)
     md = read_dcp_metadata(ck)
+    check_storage_listed(ck, md, manifest)
     entries = manifest["model"]
     names = list(entries) if names is None else names
     targets = ms.model_targets(names, entries)

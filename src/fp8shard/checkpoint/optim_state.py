@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8shard.checkpoint.errors import CheckpointMismatchError
+from fp8shard.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError
 from fp8shard.checkpoint.planner import FlatPieces
 from fp8shard.checkpoint.state import OPTIM, dtype_name, parse_dtype, unwrap
 from fp8shard.optim import DistributedFusedAdam
+from fp8shard.optim.distributed_fused_adam import _check_hparams
 
 DFA_STATES = ("master", "exp_avg", "exp_avg_sq")
 DFA_KIND = "distributed_fused_adam"
@@ -134,9 +135,42 @@ def optimizer_load(optimizer: torch.optim.Optimizer, names: list[str], section: 
     if saved != mine:
         raise CheckpointMismatchError(
             f"the optimizer's param groups differ from the checkpoint's: {_first_difference(saved, mine)}")
+    _check_group_options(optimizer, section["param_groups"])
     if isinstance(optimizer, DistributedFusedAdam):
         return _dfa_load(optimizer, names, section)
     return _torch_load(optimizer, names, section)
+
+
+def _same_kind(mine: Any, saved: Any) -> bool:
+    """Whether a saved param group option can stand in for this optimizer's value of it."""
+    if isinstance(mine, bool):
+        return isinstance(saved, bool)
+    if isinstance(mine, (int, float)):
+        return type(saved) in (int, float) and math.isfinite(saved)
+    if isinstance(mine, (tuple, list)):
+        return (isinstance(saved, list) and len(saved) == len(mine)
+                and all(_same_kind(a, b) for a, b in zip(mine, saved, strict=True)))
+    if isinstance(mine, str):
+        return isinstance(saved, str)
+    return True  # None, or a value JSON cannot hold: nothing to compare with
+
+
+def _check_group_options(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """The saved options (lr, betas, ...) are of the kinds this optimizer holds, and valid for
+    ``DistributedFusedAdam``, before anything is read: they are applied last, after the tensors."""
+    for gi, (g, s) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
+        for k, v in s.items():
+            if k != "params" and k in g and not _same_kind(g[k], v):
+                raise CheckpointFormatError(
+                    f"the checkpoint's optimizer.param_groups[{gi}].{k} is {str(v)[:60]}, which cannot "
+                    f"replace this optimizer's {g[k]!r}")
+        if isinstance(optimizer, DistributedFusedAdam):
+            merged = {**g, **{k: tuple(v) if k == "betas" else v for k, v in s.items() if k != "params"}}
+            try:
+                _check_hparams(merged)
+            except (ValueError, TypeError) as e:
+                raise CheckpointFormatError(f"the checkpoint's optimizer.param_groups[{gi}] is invalid: "
+                                            f"{e}") from None
 
 
 def _starts(optimizer: torch.optim.Optimizer) -> list[int]:

@@ -47,13 +47,26 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+# The dtypes a checkpoint may name (in its manifest, or pickled in DCP's metadata as ``torch.<name>``),
+# by canonical name. A table, not ``getattr(torch, name)``: a name from a file is only ever looked
+# up here. Names this torch lacks are left out.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "bool",
+)
+DTYPES: dict[str, torch.dtype] = {
+    n: dt for n in _DTYPE_NAMES if isinstance(dt := getattr(torch, n, None), torch.dtype)
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name), None)
-    if not isinstance(dt, torch.dtype):
+    dt = DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
         raise CheckpointMismatchError(f"the checkpoint names an unknown dtype {name!r}")
     return dt
 

@@ -46,7 +46,7 @@ from fp8shard.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from fp8shard.checkpoint.io import verify_files
+from fp8shard.checkpoint.io import MANIFEST, MAX_STEP, verify_files
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.builders import (
     build_model,
@@ -123,6 +123,36 @@ def resume_candidates(cfg: Config, root: Path) -> list[Path]:
     return chosen
 
 
+_COUNTERS = ("step", "skipped_steps", "checkpoint_save_errors", "fp8_overflows", "fp8_nonfinite_amaxes",
+             "fp8_saturated")
+
+
+def check_extra(extra: dict[str, Any], world_size: int, ck: Path) -> None:
+    """The fields of a checkpoint's ``extra`` that resuming reads (``Trainer.save`` writes them)
+    have their types and ranges; a checkpoint saved by other code may lack any of them."""
+
+    def bad(field: str, what: str) -> ConfigError:
+        got = repr(extra[field])
+        got = got if len(got) <= 60 else got[:57] + "..."
+        return ConfigError(f"trainer.resume: {ck / MANIFEST}: field extra.{field} {what}, got {got}")
+
+    for k in _COUNTERS:
+        if k in extra and not (type(extra[k]) is int and 0 <= extra[k] <= MAX_STEP):
+            raise bad(k, f"must be an integer from 0 to {MAX_STEP}")
+    d = extra.get("data", {})
+    if "data" in extra and not (isinstance(d, dict) and all(type(d.get(k)) is int for k in
+                                                            ("seed", "seq_len", "consumed_samples"))
+                                and d["consumed_samples"] >= 0):
+        raise bad("data", "must be an object with integers seed, seq_len and consumed_samples (>= 0)")
+    w = extra.get("log_window", {})
+    if "log_window" in extra and not (
+            isinstance(w, dict) and isinstance(w.get("loss_sums"), list) and len(w["loss_sums"]) == world_size
+            and all(type(x) in (int, float) for x in w["loss_sums"])
+            and type(w.get("steps")) is int and w["steps"] >= 0):
+        raise bad("log_window", f"must be an object with loss_sums ({world_size} numbers, one per saving "
+                  "rank) and steps (an integer >= 0)")
+
+
 class Trainer:
     """Everything one run holds; ``fit()`` trains and returns the summary."""
 
@@ -188,6 +218,7 @@ class Trainer:
                     lines = [*lines[:6], f"  ... and {len(lines) - 6} more"]
                 raise ConfigError("trainer.resume: " + "\n".join(lines)) from None
             extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
+            check_extra(extra, info.world_size, path)
             self.step = int(extra.get("step", info.step or 0))
             self.skipped_steps = int(extra.get("skipped_steps", 0))
             self.save_errors = int(extra.get("checkpoint_save_errors", 0))
@@ -196,7 +227,10 @@ class Trainer:
                 self.overflow.nonfinite = int(extra.get("fp8_nonfinite_amaxes", 0))
                 self.overflow.saturated = int(extra.get("fp8_saturated", 0))
             if "data" in extra:
-                self.loader.load_state_dict(extra["data"])
+                try:
+                    self.loader.load_state_dict(extra["data"])
+                except ValueError as e:
+                    raise ConfigError(f"trainer.resume: {path}: {e}") from None
             else:
                 self.loader.consumed_samples = self.step * self.cfg.model.global_batch_size
             window = extra.get("log_window", {"loss_sums": [0.0] * info.world_size, "steps": 0})
