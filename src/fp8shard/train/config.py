@@ -241,6 +241,9 @@ class ExpManagerConfig:
     """Run name; the run directory is exp_dir/name (overwritten files if it exists)."""
     plots: bool = True
     """Draw the report's PNG plots into the run directory at the end (needs matplotlib)."""
+    create_tensorboard_logger: bool = False
+    """Also write the logged scalars (loss, lr, tokens/s, grad norm, skipped steps, validation loss,
+    bytes per step) as TensorBoard events into the run directory (needs tensorboard)."""
 
 
 @dataclasses.dataclass
