@@ -348,6 +348,9 @@ class Trainer:
             self.rec.say(f"warning: {where}: {o.message()}")
         if len(events) > 4:
             self.rec.say(f"warning: {where}: ... and {len(events) - 4} more FP8 operands")
+        note = self.overflow.note_for(events)  # what an overflow is, in plain words, once
+        if note is not None:
+            self.rec.say(f"note: {note}")
 
     def _measure_resources(self) -> None:
         self.memory = memory_by_category(self.opt, self.model)
