@@ -129,6 +129,9 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
                           "(or pip install 'fp8shard[export]')") from None
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its file readable by the owner only
     os.replace(tmp, path)
     return path
 
