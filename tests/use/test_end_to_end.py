@@ -218,3 +218,20 @@ def test_token_ids_beyond_the_tokenizer_are_never_sampled(run):
     model = pre.model()
     out = generate_cli.sample(model, [5], 50, temperature=2.0, top_k=None, vocab_limit=100, seed=0)
     assert max(out[1:]) < 100 and np.all(np.asarray(out) >= 0)
+
+
+def test_a_byte_level_run_exports_a_tokenizer_transformers_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    corpus = write_corpus(tmp_path / "corpus", files=1)
+    run_dir = tmp_path / "runs" / "bytes"
+    train(run_dir, f"data.path={corpus / 'part0.txt'}", "trainer.max_steps=1", "checkpoint.every_n_steps=1")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_bpb"] == pytest.approx(summary["val_loss"] / math.log(2))  # one byte per token
+    assert export_cli.main([str(run_dir), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "H\u00e9llo \u2014 the king\u2019s crown"
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.decode(list(text.encode())) == text
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    x = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        assert (open_pretrained(run_dir).model()(x) - hf(x).logits).abs().max().item() < 1e-3
