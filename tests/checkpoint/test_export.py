@@ -13,6 +13,7 @@ from fp8shard.checkpoint import (
     export_safetensors,
     import_hf_state_dict,
     load_model_weights,
+    read_model_state,
     save_checkpoint,
 )
 from fp8shard.fp8 import Float8Tensor
@@ -123,3 +124,17 @@ def test_export_safetensors(trained, tmp_path):
     for n in params:
         assert torch.equal(hp[n].reshape(-1), masters[n]), n
     assert not any(Path(tmp_path / "out").glob(".*tmp*"))
+
+
+def test_masters_are_never_rounded_unless_a_dtype_says_so(trained, tmp_path):
+    """``source="master"`` without a dtype keeps the FP32 masters (it used to round them to bf16)."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    _, path, masters = trained
+    sd = read_model_state(path, source="master")
+    assert all(t.dtype == torch.float32 and torch.equal(t.reshape(-1), masters[n]) for n, t in sd.items())
+    out = export_safetensors(path, None, tmp_path / "m.safetensors", source="master")
+    got = safetensors.load_file(str(out))
+    assert all(got[n].dtype == torch.float32 and torch.equal(got[n].reshape(-1), masters[n]) for n in masters)
+    bf = safetensors.load_file(str(export_safetensors(path, None, tmp_path / "b.safetensors", source="master",
+                                                      dtype=torch.bfloat16)))
+    assert all(t.dtype == torch.bfloat16 for t in bf.values())

@@ -247,7 +247,7 @@ CASES = [
     Case(
         "tokenizer-with-tokens",
         ["data.source=tokens", "data.path={tmp}/t.bin", "data.tokenizer={tmp}/t.bin"],
-        "data.tokenizer is only used with data.source=text",
+        "is not a Hugging Face tokenizers JSON file",
         _tokens("t.bin", np.arange(4000) % 200),
     ),
     # ------------------------------------------------------------------ checkpoints

@@ -132,3 +132,28 @@ def test_a_normal_run_reports_no_overflow(tmp_path, capsys):
     assert [r["fp8_overflows"] for r in records] == [0] * 12
     assert trainer.overflow is not None and trainer.overflow.overflows == 0
     print(f"\nsaturated (layer, operand, step) in 12 normal steps: {records[-1]['fp8_saturated']}")
+
+
+def test_a_tiny_amax_overflow_reads_as_what_it_is():
+    """A gradient amax of 4e-4 beyond a scale set from smaller ones: the line says values were
+    clipped at the current scale (not an error), and the run explains it once, in plain words."""
+    from fp8shard.nn.overflow import OVERFLOW_NOTE, Fp8Overflow
+
+    o = Fp8Overflow("blocks.0.mlp.fc2", "grad_output", amax=4e-4, scale=57344 / 1e-4, fmt_max=57344.0,
+                    count=1)
+    msg = o.message()
+    assert msg.startswith("fp8 overflow in layer 'blocks.0.mlp.fc2' grad_output: amax 0.0004 > 57344 / "
+                          "scale ")
+    assert "values up to 4x the largest this cast could represent at its scale from earlier steps were " \
+           "clipped to it" in msg
+    assert "error" not in msg.lower() and "error" not in OVERFLOW_NOTE.lower()
+    assert "harmless" in OVERFLOW_NOTE and "model.fp8_margin=1" in OVERFLOW_NOTE
+    mon = OverflowMonitor(nn.Linear(2, 2))
+    assert mon.note_for([o]) == OVERFLOW_NOTE and mon.note_for([o]) is None  # once per run
+
+
+def test_the_training_command_explains_an_overflow_once(tmp_path, capsys):
+    _spiked_run(tmp_path, spike_step=3)
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: an FP8 overflow")]
+    assert len(notes) == 1

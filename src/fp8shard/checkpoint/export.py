@@ -105,7 +105,8 @@ def read_model_state(path: str | os.PathLike, *, source: Source = "weights", dty
 
     ``source="weights"``: what the model computed with (FP8 weights dequantized);
     ``"master"``: the optimizer's FP32 master where the checkpoint has one. ``dtype``: cast
-    floating-point tensors to it (default: each entry's nominal dtype).
+    floating-point tensors to it (default: the FP32 master as it is, fp32, and every other
+    entry in its nominal dtype).
     """
     if source not in ("weights", "master"):
         raise ValueError(f"source must be 'weights' or 'master', got {source!r}")
@@ -123,20 +124,24 @@ def read_model_state(path: str | os.PathLike, *, source: Source = "weights", dty
         else:
             t = ms.read_entry(n, entries[n], targets)
             t = t.dequantize(nominal) if isinstance(t, Float8Tensor) else t
-        want = dtype if (dtype is not None and t.is_floating_point()) else nominal
+        own = torch.float32 if n in masters else nominal  # a master is never rounded unasked
+        want = dtype if (dtype is not None and t.is_floating_point()) else own
         out[n] = t.to(want).contiguous()
     return out
 
 
 def export_safetensors(path_or_ckpt: str | os.PathLike | None, model: nn.Module | None,
                        out_file: str | os.PathLike, *, source: Source = "weights",
-                       dtype: torch.dtype | None = torch.bfloat16, include_buffers: bool = False,
-                       verify: bool = True) -> Path:
+                       dtype: torch.dtype | Literal["auto"] | None = "auto", include_buffers: bool = False,
+                       verify: bool = True, metadata: Mapping[str, str] | None = None) -> Path:
     """Write one consolidated high-precision ``.safetensors`` file for inference elsewhere.
 
     From a checkpoint (``path_or_ckpt``; ``model`` may be None) or, with ``path_or_ckpt=None``,
-    from ``model``'s current weights. Written by rank 0 only when a process group exists, to a
-    temporary name and renamed. Needs the optional ``safetensors`` package.
+    from ``model``'s current weights. ``dtype``: ``"auto"`` (default) writes bf16 from the
+    weights and fp32 from the FP32 masters (``source="master"``: never rounded unless a dtype
+    says so); None keeps each tensor's own dtype. ``metadata``: extra string entries for the
+    file's header (e.g. the model configuration). Written by rank 0 only when a process group
+    exists, to a temporary name and renamed. Needs the optional ``safetensors`` package.
     """
     try:
         from safetensors.torch import save_file
@@ -144,6 +149,8 @@ def export_safetensors(path_or_ckpt: str | os.PathLike | None, model: nn.Module 
         raise CheckpointError("export_safetensors needs the `safetensors` package: pip install "
                               "safetensors (or pip install fp8shard[export])") from None
     out = Path(out_file)
+    if dtype == "auto":
+        dtype = torch.float32 if source == "master" else torch.bfloat16
     if path_or_ckpt is not None:
         tensors = read_model_state(path_or_ckpt, source=source, dtype=dtype,
                                    include_buffers=include_buffers, verify=verify)
@@ -157,7 +164,8 @@ def export_safetensors(path_or_ckpt: str | os.PathLike | None, model: nn.Module 
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    meta = {"format": "pt", "producer": f"fp8shard {fp8shard.__version__}", **note}
+    meta = {"format": "pt", "producer": f"fp8shard {fp8shard.__version__}", **note,
+            "dtype": "own" if dtype is None else str(dtype).removeprefix("torch."), **(metadata or {})}
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, out)
     return out

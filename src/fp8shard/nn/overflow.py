@@ -66,7 +66,23 @@ class Fp8Overflow:
                     f"(the scale {self.scale:.4g} is kept; {self.count} reduction(s))")
         return (f"fp8 overflow in layer '{self.layer}' {self.operand}: amax {self.amax:.4g} > "
                 f"{self.fmt_max:g} / scale {self.scale:.4g} = {self.fmt_max / self.scale:.4g} "
-                f"(saturated; {self.count} reduction(s))")
+                f"(saturated; {self.count} reduction(s)): values up to {_times(self.excess)}x the largest "
+                f"this cast could represent at its scale from earlier steps were clipped to it")
+
+
+def _times(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+OVERFLOW_NOTE = (
+    "an FP8 overflow means a tensor grew faster than delayed scaling followed: each cast's scale "
+    "comes from the amaxes of earlier steps, so this step's largest values were clipped to the "
+    "largest FP8 number at that scale, and the scale catches up at the next step. The size of the "
+    "amax does not matter (gradients of 1e-4 are normal), only its ratio to what the scale allows. "
+    "Now and then, e.g. in the first steps while the gradients grow, it is harmless; if a layer "
+    "overflows step after step, try model.fp8_margin=1 or model.fp8_recipe=current "
+    "(trainer.fp8_overflow_factor sets which excess is reported; docs/reliability.md)")
+"""Said once per run, with the first overflow reported ([Note: overflow check])."""
 
 
 class _Accumulator:
@@ -142,6 +158,8 @@ class OverflowMonitor:
         """Non-finite amaxes reported by poll() so far: one per (poll, layer, operand)."""
         self.saturated = 0
         """Saturated casts counted by poll() so far (any excess): one per (poll, layer, operand)."""
+        self.explained = False
+        """Whether OVERFLOW_NOTE was handed out (``note_for``)."""
 
     def open(self) -> OverflowMonitor:
         if self not in _monitors:
@@ -180,6 +198,13 @@ class OverflowMonitor:
             idx = torch.tensor(mine, device=packed.device)
             amaxes, scales = packed.index_select(0, idx), torch.stack([layers[i].fp8_scale for i in mine])
         acc.observe(amaxes, scales.float())
+
+    def note_for(self, events: list[Fp8Overflow]) -> str | None:
+        """OVERFLOW_NOTE the first time ``events`` hold an overflow, else None."""
+        if self.explained or all(o.nonfinite for o in events):
+            return None
+        self.explained = True
+        return OVERFLOW_NOTE
 
     def poll(self) -> list[Fp8Overflow]:
         """The overflows since the last poll (then forgotten), worst first; one host sync when

@@ -193,13 +193,16 @@ class ModelConfig:
 class DataConfig:
     """Where the tokens come from."""
 
-    source: Literal["markov", "text", "tokens"] = "markov"
-    """markov: a generated corpus with a known entropy floor; text: a UTF-8 file (bytes, or a
-    tokenizers JSON); tokens: a pre-tokenized binary file."""
+    source: Literal["auto", "markov", "text", "tokens"] = "auto"
+    """auto: markov without data.path, else picked from the file (tokens for a folder or file made
+    by `python -m fp8shard.data prepare`, text for UTF-8 text); markov: a generated corpus with a
+    known entropy floor; text: a UTF-8 file (bytes, or a tokenizers JSON); tokens: a pre-tokenized
+    binary file."""
     path: str | None = None
-    """text: the text file; tokens: the .bin file of token ids."""
+    """text: the text file; tokens: the .bin file of token ids, or the folder prepare wrote."""
     tokenizer: str | None = None
-    """text: a Hugging Face `tokenizers` JSON file; null means byte-level tokens (vocab 256)."""
+    """A Hugging Face `tokenizers` JSON file, or bytes (UTF-8 byte ids); null: byte-level for text,
+    ids without text for tokens (a prepared tokens file names its own)."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """tokens: element type of the file."""
     vocab_size: int = 256
@@ -246,6 +249,9 @@ class ExpManagerConfig:
     """Run name; the run directory is exp_dir/name (overwritten files if it exists)."""
     plots: bool = True
     """Draw the report's PNG plots into the run directory at the end (needs matplotlib)."""
+    create_tensorboard_logger: bool = False
+    """Also write the logged scalars (loss, lr, tokens/s, grad norm, skipped steps, validation loss,
+    bytes per step) as TensorBoard events into the run directory (needs tensorboard)."""
 
 
 @dataclasses.dataclass
@@ -470,7 +476,10 @@ def load_config(argv: list[str], world_size: int | None = None, validate_cfg: bo
             raise ConfigError(f"bad override '={raw}': the key is empty")
         _set(cfg, key, parse_value(raw))
     if validate_cfg:
+        from fp8shard.data.prepared import resolve_data  # data.source=auto, prepared tokens files
         from fp8shard.train.validate import validate
+
+        resolve_data(cfg.data)
 
         validate(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
     return cfg

@@ -130,7 +130,7 @@ def _nonempty(path: str) -> int:
 def text_data(cfg: DataConfig, seq_len: int) -> TokenData:
     assert cfg.path is not None
     _nonempty(cfg.path)
-    if cfg.tokenizer is None:
+    if cfg.tokenizer in (None, "bytes"):
         tokens = np.fromfile(cfg.path, dtype=np.uint8)  # byte-level: vocab 256
         vocab, how = 256, "bytes"
     else:
@@ -177,6 +177,11 @@ def token_file_data(cfg: DataConfig, seq_len: int) -> TokenData:
 
 def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
     """The token streams named by ``cfg`` (every rank builds the same, deterministically)."""
+    if cfg.source == "auto":  # a DataConfig made in code rather than by load_config
+        from fp8shard.data.prepared import resolve_data
+
+        cfg = dataclasses.replace(cfg)
+        resolve_data(cfg)
     if cfg.source == "markov":
         return markov_data(cfg)
     if cfg.source == "text":

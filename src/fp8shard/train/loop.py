@@ -47,6 +47,7 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.checkpoint.io import MANIFEST, MAX_STEP, verify_files
+from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.builders import (
     build_model,
@@ -164,6 +165,7 @@ class Trainer:
         candidates = resume_candidates(cfg, self.ckpt_root)
         self.compute = configure_compute(cfg, env)
         self.data: TokenData = load_data(cfg.data, m.encoder_seq_length)
+        self.bpb_factor = val_bpb_factor(cfg, self.data.val, env.world_size)  # text runs: bits per byte
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.opt, self.forward_module = build_optimizer(cfg, self.model, env)
@@ -196,8 +198,11 @@ class Trainer:
         inside = self.resumed_from is not None and \
             self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
         self.rec = RunRecorder(self.run_dir, env.is_main, t.max_steps,
-                               keep_until=self.step if inside else None)
+                               keep_until=self.step if inside else None,
+                               tensorboard=cfg.exp_manager.create_tensorboard_logger)
         self.rec.write_config(to_yaml(cfg))
+        if env.is_main:
+            save_run_tokenizer(cfg, self.run_dir)  # [Note: prepared tokens]
         for note in notes:
             self.rec.say(note)
 
@@ -380,6 +385,9 @@ class Trainer:
             self.rec.say(f"warning: {where}: {o.message()}")
         if len(events) > 4:
             self.rec.say(f"warning: {where}: ... and {len(events) - 4} more FP8 operands")
+        note = self.overflow.note_for(events)  # what an overflow is, in plain words, once
+        if note is not None:
+            self.rec.say(f"note: {note}")
 
     def _measure_resources(self) -> None:
         self.memory = memory_by_category(self.opt, self.model)
@@ -528,12 +536,16 @@ class Trainer:
             **self._fault_counts(),
             "consumed_samples": self.loader.consumed_samples,
             "tokens": step * tokens_per_step, "elapsed_s": time.perf_counter() - rec.start,
+            "world_size": env.world_size,
         }
         extra = f" | skipped (non-finite), {self.skipped_steps} so far" if skipped else ""
         if val_now:
             val_loss = self.validate()
             record["val_loss"] = val_loss
             extra = f" | val {val_loss:.4f}"
+            if self.bpb_factor is not None:
+                record["val_bpb"] = val_loss * self.bpb_factor
+                extra += f" ({record['val_bpb']:.3f} bits/byte)"
         rec.log(record)
         rec.progress(step, mean_loss, rate, record["lr"], extra)
         self.window = [0.0, 0]
@@ -551,6 +563,7 @@ class Trainer:
             "val_loss": val_loss,
             "entropy_floor": floor,
             "val_gap_to_floor": None if floor is None else val_loss - floor,
+            "val_bpb": None if self.bpb_factor is None else val_loss * self.bpb_factor,
             "tokens_per_s": tokens_per_s,
             "tokens_seen": self.step * m.global_batch_size * m.encoder_seq_length,
             "wall_s": time.perf_counter() - self.rec.start,

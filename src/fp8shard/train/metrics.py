@@ -80,12 +80,25 @@ class RunRecorder:
     Any ``OSError`` while writing one of them is raised as ``RunFileError`` ([Note: storage
     faults] in checkpoint/io.py: the metrics file gets the same one-line treatment)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, max_steps: int, keep_until: int | None = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, max_steps: int, keep_until: int | None = None,
+                 tensorboard: bool = False) -> None:
         """``keep_until``: resuming at that step, keep metrics.jsonl's records up to it and append
-        (the records of steps after the checkpoint are redone by the resumed run)."""
+        (the records of steps after the checkpoint are redone by the resumed run). ``tensorboard``:
+        also write the records as TensorBoard events (train/tensorboard.py)."""
         self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
         self.start = time.perf_counter()
+        self.start_step = keep_until or 0
+        """The step this process started from (a resume's checkpoint): ``start_step`` of its records."""
         self._file = None
+        self._tb: Any = None
+        if tensorboard:
+            from fp8shard.train.tensorboard import TensorBoardLogger, check_available
+
+            check_available()  # on every rank: all stop alike when it is missing
+            if enabled:
+                with self._writing(run_dir):
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    self._tb = TensorBoardLogger(run_dir, None if keep_until is None else keep_until + 1)
         self.metrics_path = run_dir / "metrics.jsonl"
         if enabled:
             path = self.metrics_path
@@ -118,11 +131,15 @@ class RunRecorder:
                 path.write_text(text)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one JSON object to metrics.jsonl (flushed, so a crashed run keeps its lines)."""
+        """Append one JSON object to metrics.jsonl (flushed, so a crashed run keeps its lines),
+        with ``start_step``: where this process began (the report tells resumes apart by it)."""
+        record = {**record, "start_step": self.start_step}
         if self._file is not None:
             with self._writing(self.metrics_path):
                 self._file.write(json.dumps(record) + "\n")
                 self._file.flush()
+        if self._tb is not None:
+            self._tb.log(record)
 
     def sync(self) -> None:
         """Flush metrics.jsonl and fsync it (at checkpoints: the records up to one are on disk)."""
@@ -130,6 +147,8 @@ class RunRecorder:
             with self._writing(self.metrics_path):
                 self._file.flush()
                 os.fsync(self._file.fileno())
+        if self._tb is not None:
+            self._tb.flush()
 
     def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, extra: str = "") -> None:
         if not self.enabled:
@@ -152,9 +171,15 @@ class RunRecorder:
         if self.enabled:
             with self._writing(path):
                 path.write_text(json.dumps(summary, indent=2) + "\n")
+        if self._tb is not None:
+            self._tb.log_summary(summary)
+            self._tb.close()
+            self._tb = None
         return path
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()  # still open: the summary's figures follow
         if self._file is not None:
             f, self._file = self._file, None
             with self._writing(self.metrics_path):
@@ -186,6 +211,8 @@ def format_summary(s: dict[str, Any]) -> str:
     floor = s.get("entropy_floor")
     val = s.get("val_loss")
     text = f"final train loss {s['final_train_loss']:.4f}, validation loss {val:.4f}"
+    if s.get("val_bpb") is not None:
+        text += f" nats/token = {s['val_bpb']:.4f} bits/byte"
     if floor is not None:
         text += f", entropy floor {floor:.4f} (gap {val - floor:+.4f} nats, {100 * (val / floor - 1):.1f}%)"
     lines.append(text)

@@ -127,10 +127,18 @@ def _data(cfg: Config) -> None:
         if not os.path.isfile(d.path):
             raise ConfigError(f"data.path: no such file {d.path!r}")
     if d.tokenizer is not None:
-        if d.source != "text":
-            raise ConfigError("data.tokenizer is only used with data.source=text")
-        if not os.path.isfile(d.tokenizer):
-            raise ConfigError(f"data.tokenizer: no such file {d.tokenizer!r}")
+        if d.source not in ("text", "tokens"):
+            raise ConfigError("data.tokenizer is only used with data.source=text or data.source=tokens "
+                              "(the generated corpus has no text)")
+        if d.tokenizer != "bytes":
+            if not os.path.isfile(d.tokenizer):
+                raise ConfigError(f"data.tokenizer: no such file {d.tokenizer!r}")
+            from fp8shard.data.tokenizer import BPETokenizer, TokenizerError
+
+            try:
+                BPETokenizer(d.tokenizer)
+            except TokenizerError as e:
+                raise ConfigError(f"data.tokenizer: {e}") from None
     if d.source == "markov":
         if d.vocab_size < 2:
             raise ConfigError(f"data.vocab_size must be >= 2 for data.source=markov, got {d.vocab_size}")
