@@ -68,33 +68,35 @@ if [ "$part" = final ]; then  # every GPU test, then the GPT step re-profiled (b
   run $py benchmarks/profile_step.py --recipe delayed --out "$OUT/profile_final" 2>&1 | tail -22
 fi
 if [ "$part" = peers16 ]; then
-  # Issue 16, in one call of under ~8 minutes (PEERS16_BUDGET_S, default 510 s; a step that would
-  # start with under 30 s left is skipped and says so): the compiled nanoGPT-style reference and
-  # torchao float8 against fp8shard compiled whole (trainer.compile_scope=model) with the chunked
-  # loss, at 125M then 1.3B; the GPU tests of the new paths; the loss head alone; a 125M profile.
+  # Issue 16, in one call of under ~8 minutes (PEERS16_BUDGET_S, default 510 s): the compiled
+  # nanoGPT-style reference and torchao float8 against fp8shard compiled whole
+  # (trainer.compile_scope=model) with the chunked loss, at 125M then 1.3B; the GPU tests of the
+  # new paths; the loss head alone; a 125M profile. Each step gets what is left of the budget
+  # less what it reserves for the steps after it (a step with under 30 s is skipped and says
+  # so); compare_peers rewrites its JSON after every system, so a run cut short keeps its rows.
   deadline=$((SECONDS + ${PEERS16_BUDGET_S:-510}))
-  budgeted() {
-    local left=$((deadline - SECONDS))
+  budgeted() {  # budgeted RESERVE_S CMD...
+    local left=$((deadline - SECONDS - $1)); shift
     if [ "$left" -lt 30 ]; then echo "+ skipped (budget spent): $*"; return 0; fi
     run timeout "$left" "$@"
   }
-  budgeted $py benchmarks/compare_peers.py --gpu --compile --size 125m \
-    --systems reference-bf16,torchao-float8,fp8shard-fp8,fp8shard-bf16 \
+  budgeted 240 $py benchmarks/compare_peers.py --gpu --compile --size 125m \
+    --systems reference-bf16,fp8shard-fp8,fp8shard-bf16,torchao-float8 \
     --out "$OUT/compare_peers16_125m.json" > "$OUT/compare_peers16_125m.log" 2>&1
   tail -9 "$OUT/compare_peers16_125m.log"
-  budgeted $py -m pytest -p no:cacheprovider -q -m gpu tests/train/test_loss.py \
-    tests/train/test_compile_scope.py > "$OUT/pytest_gpu_peers16.log" 2>&1
-  tail -6 "$OUT/pytest_gpu_peers16.log"
-  # 1.3B: the eager fp8shard rows are already in docs/benchmarks.md; compiled rows only.
-  budgeted $py benchmarks/compare_peers.py --gpu --size 1b \
-    --systems reference-bf16,torchao-float8,fp8shard-fp8+compile,fp8shard-bf16+compile \
+  # 1.3B: compiled rows only (the eager fp8shard rows are in docs/benchmarks.md, 2026-12-04).
+  budgeted 120 $py benchmarks/compare_peers.py --gpu --size 1b \
+    --systems reference-bf16,fp8shard-fp8+compile,torchao-float8,fp8shard-bf16+compile \
     --out "$OUT/compare_peers16_1b.json" > "$OUT/compare_peers16_1b.log" 2>&1
   tail -7 "$OUT/compare_peers16_1b.log"
-  budgeted $py benchmarks/bench_loss.py --gpu --tokens 16384 --hidden 768 --vocab 50304 \
+  budgeted 0 $py -m pytest -p no:cacheprovider -q -m gpu tests/train/test_loss.py \
+    tests/train/test_compile_scope.py > "$OUT/pytest_gpu_peers16.log" 2>&1
+  tail -6 "$OUT/pytest_gpu_peers16.log"
+  budgeted 0 $py benchmarks/bench_loss.py --gpu --tokens 16384 --hidden 768 --vocab 50304 \
     --out "$OUT/bench_loss_125m.json" > "$OUT/bench_loss_125m.log" 2>&1
   tail -4 "$OUT/bench_loss_125m.log"
-  budgeted $py benchmarks/profile_step.py --size 125m --systems fp8shard-fp8+compile,reference-bf16 \
+  budgeted 0 $py benchmarks/profile_step.py --size 125m --systems fp8shard-fp8+compile,reference-bf16 \
     --out "$OUT/profile16_125m" > "$OUT/profile16_125m.log" 2>&1
   tail -26 "$OUT/profile16_125m.log"
-  echo "peers16: $((SECONDS)) s"
+  echo "peers16: ${SECONDS} s"
 fi
