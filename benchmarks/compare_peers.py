@@ -1,25 +1,47 @@
 """fp8shard against its peers on one GPT workload, side by side in one run.
 
     python benchmarks/compare_peers.py [--quick] [--out FILE.json]          # CPU, gloo, 2 ranks
-    python benchmarks/compare_peers.py --gpu [--out FILE.json]              # one CUDA GPU, ~1B GPT
-    python benchmarks/compare_peers.py --gpu --compile [--systems fp8shard-fp8,fp8shard-bf16]
+    python benchmarks/compare_peers.py --gpu [--size 125m|1b] [--out FILE.json]   # one CUDA GPU
+    python benchmarks/compare_peers.py --gpu --compile --size 125m \
+        --systems reference-bf16,torchao-float8,fp8shard-fp8,fp8shard-bf16
 
-Systems (same model shapes, data, steps and seed):
-  fp8shard-fp8   FP8 compute + FP8 parameters + DistributedFusedAdam
-  fp8shard-bf16  bf16 parameters + DistributedFusedAdam (FP32 master)
-  ddp-adamw      torch DistributedDataParallel + torch.optim.AdamW, fp32 params, bf16 autocast
-  zero-adamw     torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
-  torchao-fsdp2  torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
-                 where the backend allows it (gloo has no float8: off there, said in the output)
-  --recipe       fp8shard-fp8's activation scaling: delayed (the training default, NeMo's) or
-                 current (per-tensor amax of each cast, as torchao's tensorwise recipe)
-  --compile      adds "<system>+compile" after each fp8shard system chosen: the same model with
-                 every transformer block torch.compile'd in place, as ``trainer.compile=true``
-                 does (fp8shard.train.builders.compile_blocks), so eager and compiled fp8shard
-                 run side by side in one call
+Systems (same model shapes, initial values, tokens, steps and seed):
+  fp8shard-fp8    FP8 compute + FP8 parameters + DistributedFusedAdam
+  fp8shard-bf16   bf16 parameters + DistributedFusedAdam (FP32 master)
+  ddp-adamw       torch DistributedDataParallel + torch.optim.AdamW, fp32 params, bf16 autocast
+  zero-adamw      torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
+  torchao-fsdp2   torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
+                  where the backend allows it (gloo has no float8: off there, said in the output)
+  reference-bf16  what most users would run instead (world size 1): a plain nanoGPT-style GPT
+                  of the same shapes (benchmarks/nanogpt_ref.py), fp32 parameters,
+                  torch.autocast(bf16), torch.optim.AdamW(fused=True on CUDA), the whole model
+                  under torch.compile (on CPU only with --compile)
+  torchao-float8  that same reference after torchao.float8.convert_to_float8_training
+                  (tensorwise dynamic scaling, the recipe's default and its single-GPU setting),
+                  compiled as the reference, world size 1 (no FSDP). --torchao-filter: auto
+                  (default on GPU: torchao's own filter for tensorwise, which skips the tied
+                  lm_head by name and layers too small to gain) or all (every block Linear;
+                  the default on CPU, where auto converts nothing at the test sizes); the row's
+                  note says how many Linears were converted
+  --recipe        fp8shard-fp8's activation scaling: delayed (the training default, NeMo's) or
+                  current (per-tensor amax of each cast, as torchao's tensorwise recipe)
+  --compile       adds "<system>+compile" after each fp8shard system chosen: the same model
+                  compiled in place as ``trainer.compile=true`` does, with --compile-scope
+                  (default model: the whole model, one graph per region; see
+                  fp8shard.train.builders.compile_model), so eager and compiled fp8shard run
+                  side by side in one call
+  --size          GPU shapes: 1b (default: 24 x 2048, FFN 8192, 16 heads, vocab 32768, seq
+                  2048, 8 sequences) or 125m (12 x 768, FFN 3072, 12 heads, vocab 50304, seq
+                  1024, 16 sequences)
+
+Every system computes its loss inside the model's forward (``model(idx, targets)``): fp8shard's
+GPT with its chunked output layer + cross-entropy ([Note: chunked loss]), the reference with
+nanoGPT's ``F.cross_entropy`` of the full logits.
 
 Measured by this harness in the same way for every system:
   step_ms        median wall time of the timed steps (after warm-up)
+  vs_reference   reference-bf16's step_ms over this row's (> 1: faster than the compiled
+                 reference), when reference-bf16 is among the systems
   peak_rss_mb    CPU: peak resident memory of the rank (a fresh process per system);
                  GPU: torch.cuda.max_memory_allocated
   bytes/param    persistent tensors (params, grads and grad buffers, optimizer states) found by
@@ -29,6 +51,8 @@ Measured by this harness in the same way for every system:
                  reduces or gathers (all_reduce: the tensor; all_gather: the output;
                  reduce_scatter: the input; broadcast: the tensor)
   loss           mean training loss of the last 3 steps
+On CPU the world-size-1 systems (reference-bf16, torchao-float8) run in a 1-rank group on the
+whole global batch; the others in 2 ranks, each on half of it.
 """
 
 from __future__ import annotations
@@ -36,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -49,8 +74,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2"]
-COMPILED = "+compile"  # suffix of an fp8shard system run with compiled blocks (--compile)
+SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
+           "reference-bf16", "torchao-float8"]
+SINGLE = ("reference-bf16", "torchao-float8")  # world size 1 by definition
+REFERENCE = "reference-bf16"
+COMPILED = "+compile"  # suffix of an fp8shard system run compiled in place (--compile)
 
 # ----------------------------------------------------------------------------- wire accounting
 
@@ -181,12 +209,58 @@ def _swap_to_torch_linear(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _compile_fp8shard(model: torch.nn.Module, recipe: Any) -> str:
-    """Compile every block in place, as the training command's ``trainer.compile=true`` does."""
-    from fp8shard.train.builders import compile_blocks
+def _compile_fp8shard(model: torch.nn.Module, recipe: Any, scope: str) -> str:
+    """Compile in place, as the training command's ``trainer.compile=true`` does."""
+    from fp8shard.train.builders import compile_model
 
-    n = compile_blocks(model, recipe)
-    return f"{n} blocks compiled in place (trainer.compile)"
+    n = compile_model(model, recipe, scope)
+    return f"compiled in place, trainer.compile_scope={scope} ({n} region(s))"
+
+
+def _compile_backend() -> str:
+    from fp8shard.train.builders import COMPILE_BACKEND_ENV
+
+    return os.environ.get(COMPILE_BACKEND_ENV, "").strip() or "inductor"
+
+
+def _torchao_filter(kind: str):
+    """torchao's module filter: ``auto`` = its own filter for the tensorwise recipe (skips the
+    tied lm_head by name and shapes too small to gain), ``all`` = every Linear but lm_head."""
+    if kind == "auto":
+        from torchao.float8 import _auto_filter_for_recipe
+
+        return _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head"])
+    return lambda mod, fqn: fqn != "lm_head" and all(d % 16 == 0 for d in mod.weight.shape)
+
+
+def _build_single(system: str, cfg: dict, device: torch.device, gpt: torch.nn.Module
+                  ) -> tuple[torch.nn.Module, Any, Any, str]:
+    """reference-bf16 / torchao-float8: nanoGPT-style model, fp32 params, autocast, AdamW, compiled."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from nanogpt_ref import RefGPT
+
+    model = RefGPT.from_gpt(gpt, device)  # built on the device, values copied from gpt
+    notes = []
+    if system == "torchao-float8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        kind = cfg.get("torchao_filter") or ("auto" if device.type == "cuda" else "all")
+        total = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=device.type != "cuda"),
+                                   module_filter_fn=_torchao_filter(kind))
+        done = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        notes.append(f"tensorwise, {done} of {total} Linears in float8 (filter {kind}; the tied "
+                     f"lm_head stays bf16){', emulated' if device.type != 'cuda' else ''}")
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=fused)
+    notes.append(f"fp32 params, bf16 autocast, AdamW(fused={fused})")
+    if cfg["compile_peers"]:
+        model.compile(backend=_compile_backend())
+        notes.append("whole model compiled")
+    else:
+        notes.append("eager (CPU without --compile)")
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    return model, opt, autocast, "; ".join(notes)
 
 
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
@@ -200,6 +274,9 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     torch.manual_seed(cfg["seed"])
     compiled = system.endswith(COMPILED)
     system = system.removesuffix(COMPILED)
+    scope = cfg.get("compile_scope", "model")
+    if system in SINGLE:  # built on the CPU as the others, so all start from the same values
+        return _build_single(system, cfg, device, GPT(gcfg))
     if system == "fp8shard-fp8":
         with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
             model = GPT(gcfg).to(device)
@@ -207,12 +284,12 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
         note = f"{cfg.get('recipe', 'delayed')} scaling"
-        note += "; " + _compile_fp8shard(model, recipe) if compiled else ""
+        note += "; " + _compile_fp8shard(model, recipe, scope) if compiled else ""
         return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
-        note = _compile_fp8shard(model, None) if compiled else note
+        note = _compile_fp8shard(model, None, scope) if compiled else note
         return model, opt, contextlib.nullcontext, note
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     if system in ("ddp-adamw", "zero-adamw"):
@@ -273,9 +350,17 @@ def _batches(cfg: dict, rank: int, world: int, device: torch.device):
         yield idx[:, :-1], idx[:, 1:]
 
 
+def step_loss(model: torch.nn.Module, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss, computed inside the model's forward (every system the same way)."""
+    with ctx():
+        return model(x, y)
+
+
 def run_system(system: str, cfg: dict) -> dict:
     """Train ``system`` for cfg['steps'] steps on this rank; return its measurements."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if system in SINGLE and world != 1:
+        raise ValueError(f"{system} runs at world size 1 (got {world})")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["gpu"] else torch.device("cpu")
     try:
         model, opt, ctx, note = _build(system, cfg, device)
@@ -293,9 +378,7 @@ def run_system(system: str, cfg: dict) -> dict:
             if cfg["gpu"]:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with ctx():
-                logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = step_loss(model, ctx, x, y)
             loss.backward()
             opt.step()
             if step == cfg["steps"] - 1:  # measured while gradients exist
@@ -335,35 +418,58 @@ def run_system(system: str, cfg: dict) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
+GPU_SIZES = {
+    "1b": dict(model=dict(vocab_size=32768, max_position_embeddings=2048, num_layers=24, hidden_size=2048,
+                          ffn_hidden_size=8192, num_attention_heads=16), seq_len=2048, global_batch=8),
+    "125m": dict(model=dict(vocab_size=50304, max_position_embeddings=1024, num_layers=12, hidden_size=768,
+                            ffn_hidden_size=3072, num_attention_heads=12), seq_len=1024, global_batch=16),
+}
+
+
 def _config(args: argparse.Namespace) -> dict:
+    size = getattr(args, "size", None)
+    common = dict(recipe=getattr(args, "recipe", "delayed"),
+                  compile_scope=getattr(args, "compile_scope", "model"),
+                  torchao_filter=getattr(args, "torchao_filter", None))
     if args.gpu:
-        model = dict(vocab_size=32768, max_position_embeddings=2048, num_layers=24, hidden_size=2048,
-                     ffn_hidden_size=8192, num_attention_heads=16)
-        return dict(model=model, seq_len=2048, global_batch=8, steps=args.steps or 12, warmup=4,
-                    lr=3e-4, seed=0, gpu=True)
-    size = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256) if args.quick else \
+        shape = GPU_SIZES[size or "1b"]
+        return dict(shape, size=size or "1b", steps=args.steps or 12, warmup=4, lr=3e-4, seed=0, gpu=True,
+                    compile_peers=True, **common)
+    dims = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256) if args.quick else \
         dict(num_layers=4, hidden_size=128, ffn_hidden_size=512)
-    model = dict(vocab_size=256, max_position_embeddings=64, num_attention_heads=4, **size)
-    return dict(model=model, seq_len=64, global_batch=8, steps=args.steps or (8 if args.quick else 20),
-                warmup=2 if args.quick else 5, lr=1e-3, seed=0, gpu=False)
+    model = dict(vocab_size=256, max_position_embeddings=64, num_attention_heads=4, **dims)
+    return dict(model=model, size="quick" if args.quick else "small", seq_len=64, global_batch=8,
+                steps=args.steps or (8 if args.quick else 20), warmup=2 if args.quick else 5, lr=1e-3,
+                seed=0, gpu=False, compile_peers=bool(getattr(args, "compile", False)), **common)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """``vs_reference``: reference-bf16's step time over each row's (> 1: faster)."""
+    ref = next((r for r in rows if r["system"] == REFERENCE and r.get("available")), None)
+    for r in rows:
+        if ref is not None and r.get("available"):
+            r["vs_reference"] = ref["step_ms"] / r["step_ms"]
 
 
 def _print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'system':<21}{'step ms':>9}{'tok/s':>9}{'peak MB':>9}{'B/param':>9}{'wire B/step':>13}"
-          f"{'loss':>8}  wire by collective / note")
+    print(f"{'system':<23}{'step ms':>9}{'tok/s':>10}{'vs ref':>8}{'peak MB':>9}{'B/param':>9}"
+          f"{'wire B/step':>13}{'loss':>8}  wire by collective / note")
     for r in rows:
         if not r.get("available"):
-            print(f"{r['system']:<21}  unavailable: {r['reason']}")
+            print(f"{r['system']:<23}  unavailable: {r['reason']}")
             continue
         wire = sum(r["wire_bytes_per_step"].values())
         detail = ", ".join(f"{k}={v}" for k, v in r["wire_bytes_per_step"].items())
-        print(f"{r['system']:<21}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['peak_mem_mb']:>9.0f}"
-              f"{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}  {detail}"
+        ratio = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else "-"
+        print(f"{r['system']:<23}{r['step_ms']:>9.1f}{r['tokens_per_s']:>10.0f}{ratio:>8}"
+              f"{r['peak_mem_mb']:>9.0f}{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}"
+              f"  {detail}"
               + (f" [{r['note']}]" if r.get("note") else ""))
 
 
-def _run_gpu(cfg: dict, systems: list[str]) -> list[dict]:
+def _run_gpu(cfg: dict, systems: list[str], on_row: Any = None) -> list[dict]:
+    """Every system on GPU 0 at world size 1 (NCCL); ``on_row(rows)`` after each one."""
     import tempfile
 
     store = tempfile.mktemp(prefix="fp8shard_bench_")
@@ -375,28 +481,41 @@ def _run_gpu(cfg: dict, systems: list[str]) -> list[dict]:
             rows.append(run_system(s, cfg))
         except Exception as e:  # one failing peer must not hide the others' figures
             rows.append({"system": s, "available": False, "reason": f"{type(e).__name__}: {e}"})
+        torch._dynamo.reset()  # drop the compiled graphs (and what they hold) of this system
+        gc.collect()
         torch.cuda.empty_cache()
+        # MFU: 6 * params * tokens/s over the bf16 dense peak measured on the H200 (773 TFLOP/s)
+        if rows[-1].get("available"):
+            rows[-1]["mfu_vs_bf16_peak"] = 6 * rows[-1]["params"] * rows[-1]["tokens_per_s"] / 773e12
+        if on_row is not None:
+            on_row(rows)
     dist.destroy_process_group()
-    # MFU: 6 * params * tokens/s over the bf16 dense peak measured on the H200 (773 TFLOP/s)
-    for r in rows:
-        if r.get("available"):
-            r["mfu_vs_bf16_peak"] = 6 * r["params"] * r["tokens_per_s"] / 773e12
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smallest size (a few minutes on 2 cores)")
-    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU, ~1B-parameter GPT")
+    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU (--size: 1b by default)")
+    ap.add_argument("--size", choices=tuple(GPU_SIZES), default=None,
+                    help="the GPU model: 1b (default, ~1.3B parameters) or 125m; needs --gpu")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--compile", action="store_true",
-                    help="also run each chosen fp8shard system with its blocks compiled ('+compile' rows)")
+                    help="also run each chosen fp8shard system compiled in place ('+compile' rows); "
+                         "on CPU also compiles reference-bf16 and torchao-float8 (always on GPU)")
+    ap.add_argument("--compile-scope", choices=("model", "graph", "blocks"), default="model",
+                    help="what '+compile' compiles (trainer.compile_scope; default model)")
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
                     help="fp8shard-fp8's scaling recipe (default: delayed, the training default)")
+    ap.add_argument("--torchao-filter", choices=("auto", "all"), default=None,
+                    help="torchao-float8's Linears in float8: auto (torchao's tensorwise filter; "
+                         "default on GPU) or all but lm_head (default on CPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    cfg = dict(_config(args), recipe=args.recipe)
+    if args.size and not args.gpu:
+        ap.error("--size picks a GPU model: add --gpu (the CPU sizes are the default and --quick)")
+    cfg = _config(args)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and not s.startswith("fp8shard")):
@@ -406,23 +525,32 @@ def main(argv: list[str] | None = None) -> int:
         systems = [x for s in systems for x in ([s, s + COMPILED] if s.startswith("fp8shard")
                                                 and not s.endswith(COMPILED) else [s])]
     if args.gpu:
-        rows = _run_gpu(cfg, systems)
+        def partial(rows: list[dict]) -> None:  # what a run cut short by a time limit leaves
+            if args.out:
+                _add_ratios(rows)
+                with open(args.out, "w") as f:
+                    json.dump({"config": cfg, "world_size": 1, "rows": rows, "partial": True}, f, indent=1)
+
+        rows = _run_gpu(cfg, systems, partial)
         world = 1
     else:
         from fp8shard.testing import DistPool
 
         world, rows = 2, []
         for s in systems:  # a fresh pool per system, so peak RSS belongs to that system alone
-            with DistPool(world, backend="gloo") as pool:
+            with DistPool(1 if s in SINGLE else world, backend="gloo") as pool:
                 try:
                     rows.append(pool.run(run_system, s, cfg)[0])
                 except RuntimeError as e:
                     rows.append({"system": s, "available": False, "reason": str(e).splitlines()[-1]})
+    _add_ratios(rows)
     machine = torch.cuda.get_device_name() if args.gpu else f"{platform.machine()} CPU x{os.cpu_count()}"
-    header = (f"compare_peers: world size {world} ({'nccl' if args.gpu else 'gloo'}), {machine}, "
+    header = (f"compare_peers: world size {world} ({'nccl' if args.gpu else 'gloo'}"
+              f"{'' if args.gpu else '; reference-bf16, torchao-float8: 1'}), {machine}, "
               f"torch {torch.__version__}, {cfg['steps']} steps ({cfg['warmup']} warm-up), "
-              f"GPT {cfg['model']['num_layers']}x{cfg['model']['hidden_size']}, seq {cfg['seq_len']}, "
-              f"global batch {cfg['global_batch']}")
+              f"size {cfg['size']}: GPT {cfg['model']['num_layers']}x{cfg['model']['hidden_size']}, "
+              f"FFN {cfg['model']['ffn_hidden_size']}, vocab {cfg['model']['vocab_size']}, "
+              f"seq {cfg['seq_len']}, global batch {cfg['global_batch']}")
     _print_table(rows, header)
     if args.out:
         with open(args.out, "w") as f:

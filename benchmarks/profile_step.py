@@ -1,13 +1,14 @@
 """Where the time of one GPT training step goes, per system, on one CUDA GPU.
 
     python benchmarks/profile_step.py [--systems fp8shard-fp8,fp8shard-bf16] [--steps 3]
-                                      [--layers 24] [--out DIR]
+                                      [--size 1b|125m] [--layers 24] [--out DIR]
 
 The model, data and systems are compare_peers.py's (``--gpu`` configuration, world size 1 over
-NCCL). After warm-up, ``--steps`` steps run under ``torch.profiler``; the CUDA kernels are summed
-by category (name patterns below), and the step's wall time is compared with the time some
-kernel was running: ``gpu busy`` well under 100% means the step waits on the host (launch
-overhead, Python), not on the GPU. Phases (forward, backward, optimizer) are timed with CUDA
+NCCL; any of its system names, e.g. ``fp8shard-fp8+compile`` or ``reference-bf16``). After
+warm-up, ``--steps`` steps run under ``torch.profiler``; the CUDA kernels are summed by category
+(name patterns below), and the step's wall time is compared with the time some kernel was
+running: ``gpu busy`` well under 100% means the step waits on the host (launch overhead, Python),
+not on the GPU. Phases (forward, backward, optimizer) are timed with CUDA
 events in separate un-profiled steps. Prints one table per system; writes ``DIR/profile.json``,
 ``DIR/<system>_kernels.txt`` (the 40 most expensive kernels) and ``DIR/<system>_host.txt`` (one
 step's Python functions under cProfile: where the host time goes).
@@ -55,9 +56,7 @@ def categorize(name: str) -> str:
 
 
 def _step(model, opt, ctx, x, y):
-    with ctx():
-        logits = model(x)
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss = cp.step_loss(model, ctx, x, y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -70,9 +69,7 @@ def _phases(model, opt, ctx, x, y, reps: int) -> dict[str, float]:
     for _ in range(reps):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         ev[0].record()
-        with ctx():
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = cp.step_loss(model, ctx, x, y)
         ev[1].record()
         loss.backward()
         ev[2].record()
@@ -148,6 +145,7 @@ def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
         for name, (ms, count) in top:
             f.write(f"{ms:9.3f} ms {count:6d}x  [{categorize(name)}]  {name[:160]}\n")
     del model, opt
+    torch._dynamo.reset()
     torch.cuda.empty_cache()
     return {"system": system, "note": note, "wall_ms": wall_ms, "gpu_busy_ms": busy,
             "kernels_per_step": sum(c for _, c in kernels.values()), "phases_ms": phases,
@@ -160,12 +158,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default="fp8shard-fp8,fp8shard-bf16")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--size", choices=tuple(cp.GPU_SIZES), default="1b", help="compare_peers.py --size")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
                     help="fp8shard-fp8's scaling recipe (compare_peers.py --recipe)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    cfg = dict(cp._config(argparse.Namespace(gpu=True, quick=False, steps=None)), recipe=args.recipe)
+    cfg = cp._config(argparse.Namespace(gpu=True, quick=False, steps=None, size=args.size,
+                                        recipe=args.recipe))
     if args.layers:
         cfg["model"]["num_layers"] = args.layers
     os.makedirs(args.out, exist_ok=True)

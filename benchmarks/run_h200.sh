@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project proves on the lent H200, in one call of the device tool:
 #   run(command="bash benchmarks/run_h200.sh PART", carry=[".whl"])
-# PART: tests | micro | train | peers | speed | all, or round2a / round2b / final (this round's checks). Logs and JSON land in $OUT (or ./h200_out).
+# PART: tests | micro | train | peers | speed | all, or round2a / round2b / final / peers16 (one round's checks). Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/h200_out}"
 mkdir -p "$OUT"
@@ -66,4 +66,37 @@ fi
 if [ "$part" = final ]; then  # every GPU test, then the GPT step re-profiled (both recipes' default)
   run $py -m pytest -p no:cacheprovider -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
   run $py benchmarks/profile_step.py --recipe delayed --out "$OUT/profile_final" 2>&1 | tail -22
+fi
+if [ "$part" = peers16 ]; then
+  # Issue 16, in one call of under ~8 minutes (PEERS16_BUDGET_S, default 510 s): the compiled
+  # nanoGPT-style reference and torchao float8 against fp8shard compiled whole
+  # (trainer.compile_scope=model) with the chunked loss, at 125M then 1.3B; the GPU tests of the
+  # new paths; the loss head alone; a 125M profile. Each step gets what is left of the budget
+  # less what it reserves for the steps after it (a step with under 30 s is skipped and says
+  # so); compare_peers rewrites its JSON after every system, so a run cut short keeps its rows.
+  deadline=$((SECONDS + ${PEERS16_BUDGET_S:-510}))
+  budgeted() {  # budgeted RESERVE_S CMD...
+    local left=$((deadline - SECONDS - $1)); shift
+    if [ "$left" -lt 30 ]; then echo "+ skipped (budget spent): $*"; return 0; fi
+    run timeout "$left" "$@"
+  }
+  budgeted 240 $py benchmarks/compare_peers.py --gpu --compile --size 125m \
+    --systems reference-bf16,fp8shard-fp8,fp8shard-bf16,torchao-float8 \
+    --out "$OUT/compare_peers16_125m.json" > "$OUT/compare_peers16_125m.log" 2>&1
+  tail -9 "$OUT/compare_peers16_125m.log"
+  # 1.3B: compiled rows only (the eager fp8shard rows are in docs/benchmarks.md, 2026-12-04).
+  budgeted 120 $py benchmarks/compare_peers.py --gpu --size 1b \
+    --systems reference-bf16,fp8shard-fp8+compile,torchao-float8,fp8shard-bf16+compile \
+    --out "$OUT/compare_peers16_1b.json" > "$OUT/compare_peers16_1b.log" 2>&1
+  tail -7 "$OUT/compare_peers16_1b.log"
+  budgeted 0 $py -m pytest -p no:cacheprovider -q -m gpu tests/train/test_loss.py \
+    tests/train/test_compile_scope.py > "$OUT/pytest_gpu_peers16.log" 2>&1
+  tail -6 "$OUT/pytest_gpu_peers16.log"
+  budgeted 0 $py benchmarks/bench_loss.py --gpu --tokens 16384 --hidden 768 --vocab 50304 \
+    --out "$OUT/bench_loss_125m.json" > "$OUT/bench_loss_125m.log" 2>&1
+  tail -4 "$OUT/bench_loss_125m.log"
+  budgeted 0 $py benchmarks/profile_step.py --size 125m --systems fp8shard-fp8+compile,reference-bf16 \
+    --out "$OUT/profile16_125m" > "$OUT/profile16_125m.log" 2>&1
+  tail -26 "$OUT/profile16_125m.log"
+  echo "peers16: ${SECONDS} s"
 fi

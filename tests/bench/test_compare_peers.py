@@ -4,6 +4,7 @@ fields, and the wire bytes agree with the arithmetic of docs/design.md section 4
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"system", "available", "step_ms", "tokens_per_s", "peak_mem_mb", "bytes_per_param",
-            "bytes_per_param_total", "wire_bytes_per_step", "loss", "params", "param_elems_by_dtype"}
+            "bytes_per_param_total", "wire_bytes_per_step", "loss", "params", "param_elems_by_dtype",
+            "vs_reference"}
+OPTIONAL = {"torchao-fsdp2", "torchao-float8"}  # may be "not installed"
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +34,11 @@ def _rows(result):
 
 def test_every_system_ran_or_says_why(result):
     rows = _rows(result)
-    assert set(rows) == {"fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2"}
+    assert set(rows) == {"fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
+                         "reference-bf16", "torchao-float8"}
     for name, r in rows.items():
         if not r["available"]:
-            assert name == "torchao-fsdp2" and "not installed" in r["reason"]
+            assert name in OPTIONAL and "not installed" in r["reason"]
             continue
         assert ROW_KEYS <= set(r), f"{name} misses {ROW_KEYS - set(r)}"
         assert r["step_ms"] > 0 and r["loss"] > 0 and r["params"] > 0
@@ -88,3 +92,28 @@ def test_fp8_recipe_is_chosen_and_reported(result):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_peers.py"), "--quick",
                            "--recipe", "tensorwise"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "invalid choice: 'tensorwise'" in proc.stderr
+
+
+def test_world_size_one_peers_train_the_same_model_from_the_same_values(result):
+    """reference-bf16 (nanoGPT-style, fp32 params, bf16 autocast, AdamW) and torchao-float8 (the
+    same model, float8 Linears): finite figures, the ratio column against the reference, and,
+    starting from fp8shard's initial values on the same tokens, losses that agree with
+    fp8shard-bf16's (bf16 parameters there: not bit for bit)."""
+    rows = _rows(result)
+    ref = rows["reference-bf16"]
+    assert ref["available"] and ref["vs_reference"] == 1.0
+    assert ref["bytes_per_param_total"] == pytest.approx(16.0, rel=1e-3)
+    assert ref["wire_bytes_per_step"] == {}  # world size 1: nothing crosses a wire
+    assert "bf16 autocast" in ref["note"] and "eager (CPU without --compile)" in ref["note"]
+    assert ref["params"] == rows["fp8shard-bf16"]["params"]
+    for name in ("reference-bf16", "torchao-float8", "fp8shard-fp8"):
+        r = rows[name]
+        if not r["available"]:
+            continue
+        for key in ("step_ms", "tokens_per_s", "peak_mem_mb", "loss", "vs_reference"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key)
+        assert r["vs_reference"] == pytest.approx(ref["step_ms"] / r["step_ms"])
+        assert r["loss"] == pytest.approx(rows["fp8shard-bf16"]["loss"], rel=0.05), name
+    ao = rows["torchao-float8"]
+    if ao["available"]:
+        assert "tensorwise" in ao["note"] and "8 of 9 Linears in float8" in ao["note"]

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+import types
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8shard.models.loss import linear_cross_entropy
 from fp8shard.nn import Linear
 
 
@@ -66,6 +68,10 @@ class GPTConfig:
     """Dropout on the residual branches."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the output layer + cross-entropy ([Note: chunked loss]): None picks
+    it from the vocabulary size (at most 2**26 logits at a time), 0 computes all logits at once
+    (the plain path)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -238,23 +244,59 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy with targets."""
+        """idx: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy with targets.
+
+        Three parts, each a method so that it can be compiled as a region of its own
+        (``compile_regions``): ``embed``, the blocks, ``head``.
+        """
+        x, rotary = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, rotary)
+        return self.head(x, targets)
+
+    def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Token (+ learned position) embeddings of idx (B, T); the rotary tables if any."""
         cfg = self.config
         t = idx.shape[1]
         if t > cfg.max_position_embeddings:
             raise ValueError(f"sequence of {t} tokens is longer than max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         x = self.wte(idx)
-        rotary = None
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(t, device=idx.device))
-        else:
-            rotary = (self.rope_cos[:t], self.rope_sin[:t])
-        for block in self.blocks:
-            x = block(x, rotary)
+            return x + self.wpe(torch.arange(t, device=idx.device)), None
+        return x, (self.rope_cos[:t], self.rope_sin[:t])
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and output layer: logits (B, T, V), or with targets the mean cross-entropy,
+        computed chunk by chunk without the logits of all tokens ([Note: chunked loss] in
+        models/loss.py; ``config.loss_chunk_tokens=0``: the plain path)."""
         x = self.final_norm(x)
         w_out = self.wte.weight if self.output is None else self.output.weight
-        logits = F.linear(x, w_out)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            return F.linear(x, w_out)
+        chunk = self.config.loss_chunk_tokens
+        if chunk == 0:
+            logits = F.linear(x, w_out)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return linear_cross_entropy(x, w_out, targets, chunk_tokens=chunk)
+
+    def compile_regions(self, **compile_kwargs: Any) -> int:
+        """``torch.compile`` the whole model in place as regions: ``embed``, each block, ``head``
+        (with the loss); returns how many regions ([Note: compile regions]).
+
+        [Note: compile regions]
+            A compiled region is one autograd node: its parameters' gradients all arrive when its
+            backward ends. One graph per region keeps the gradients of each block arriving as the
+            backward leaves that block (what gradient hooks, e.g. a reduce-scatter per bucket,
+            overlap with), while everything the forward runs is compiled. The blocks share one
+            compiled graph (their parameters are graph inputs), so compiling costs one block
+            whatever the depth. In place: the module tree and the state-dict keys stay the
+            eager model's; ``embed`` and ``head`` become compiled bound methods of this model
+            (instance attributes, which ``state_dict`` and ``named_parameters`` do not see).
+        """
+        for block in self.blocks:
+            block.compile(**compile_kwargs)
+        for name in ("embed", "head"):
+            fn = torch.compile(getattr(type(self), name), **compile_kwargs)
+            setattr(self, name, types.MethodType(fn, self))
+        return len(self.blocks) + 2

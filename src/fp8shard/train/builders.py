@@ -152,38 +152,62 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
 COMPILE_BACKEND_ENV = "FP8SHARD_COMPILE_BACKEND"
 
 
-def compile_blocks(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None) -> int:
-    """``trainer.compile``: ``torch.compile`` every transformer block in place; returns how many.
+COMPILE_SCOPES = ("model", "graph", "blocks")
 
-    [Note: per-block compile]
-        Each block is compiled, not the whole model, because:
-        * backward: a compiled region is one autograd node whose parameter gradients all arrive
-          when its backward ends. Per block, DistributedFusedAdam's gradient hooks fire block
-          by block, so bucket reduce-scatters still overlap the backward of the blocks below
-          (one whole-model graph would start them all after the last block);
-        * compile time and robustness: the blocks share one graph (their parameters are graph
-          inputs), so compiling costs one block whatever the depth, and a break or recompile
-          stays inside one block;
-        * ``Module.compile()`` works in place: the module tree, ``named_parameters`` and the
-          state-dict keys stay those of the eager model (no ``_orig_mod.`` prefix), so
-          checkpoints, DistributedFusedAdam and DDP see the same model.
-        The embeddings, the final norm and the loss stay eager. ``fp8_autocast`` stays outside
-        the graphs ([Note: amax reduction]); with delayed scaling the layers' amax state is made
+
+def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None,
+                  scope: str = "model") -> int:
+    """``trainer.compile``: ``torch.compile`` the model in place; returns the number of compiled
+    regions (graphs per step, before recompilations).
+
+    [Note: compile scope]
+        ``trainer.compile_scope`` says what is compiled:
+
+        * ``model`` (default): the whole model as regions (``GPT.compile_regions``, [Note:
+          compile regions]): the embeddings, each block, and the final norm + output layer +
+          loss, one graph each. A compiled region is one autograd node whose parameter
+          gradients all arrive when its backward ends, so DistributedFusedAdam's gradient hooks
+          fire region by region and the bucket reduce-scatters overlap the backward of the
+          regions below, as in eager. The blocks share one graph (compile time is one block's
+          whatever the depth; a recompilation stays inside one region). Nothing runs eagerly
+          but the loop over the blocks and the hooks.
+        * ``graph``: ``Module.compile()`` of the whole GPT: one graph, one autograd node. Every
+          gradient arrives after the whole backward, so every reduce-scatter starts then: the
+          same buckets and bytes as eager, no overlap. Fusion across region boundaries is the
+          gain; for one GPU, where nothing is communicated.
+        * ``blocks``: each block only (before issue 16); embeddings, head and loss eager.
+
+        Every scope works in place: the module tree, ``named_parameters`` and the state-dict
+        keys stay those of the eager model (no ``_orig_mod.`` prefix), so checkpoints,
+        DistributedFusedAdam and DDP see the same model. ``fp8_autocast`` stays outside the
+        graphs ([Note: amax reduction]); with delayed scaling the layers' amax state is made
         first and the layers are registered for the reduction once (``prepare_delayed_scaling``),
         so no graph break at the first step and no per-block recompilation.
         With ``overlap_param_sync`` the parameter all-gathers are awaited before the forward
-        (``Trainer._forward_ctx``), not block by block: the optimizer's forward pre-hooks sit on
-        the layers inside the blocks, where a pending gather would be traced into the graph.
-        Overlapping the gathers with the forward of compiled blocks needs block-level waits.
+        (``Trainer._forward_ctx``), not module by module: the optimizer's forward pre-hooks sit
+        on modules inside the compiled regions, where a pending gather would be traced into the
+        graph. Overlapping the gathers with a compiled forward needs region-level waits.
     The backend is Inductor; the environment variable ``FP8SHARD_COMPILE_BACKEND`` (e.g.
     ``aot_eager``) picks another one (tests, debugging).
     """
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope {scope!r}: choose one of {', '.join(COMPILE_SCOPES)}")
     if recipe is not None:
         fs.nn.prepare_delayed_scaling(model, recipe)
     backend = os.environ.get(COMPILE_BACKEND_ENV, "").strip() or "inductor"
+    if scope == "graph":
+        model.compile(backend=backend)
+        return 1
+    if scope == "model":
+        return model.compile_regions(backend=backend)
     for block in model.blocks:
         block.compile(backend=backend)
     return len(model.blocks)
+
+
+def compile_blocks(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None) -> int:
+    """``compile_model(model, recipe, "blocks")``: every transformer block compiled in place."""
+    return compile_model(model, recipe, "blocks")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -57,8 +57,13 @@ class TrainerConfig:
     precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
     """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
     compile: bool = False
-    """torch.compile each transformer block (in place: same module tree and state-dict keys);
-    the embeddings, final norm and loss stay eager. docs/training.md, 'Compiling'."""
+    """torch.compile the model in place (same module tree and state-dict keys); what is compiled
+    is trainer.compile_scope. docs/training.md, 'Compiling'."""
+    compile_scope: Literal["model", "graph", "blocks"] = "model"
+    """With compile=true: model (the whole model, one graph per region: embeddings, each block,
+    final norm + output layer + loss; gradient reduce-scatters overlap the backward), graph (the
+    whole model as one graph: reduce-scatters start after the whole backward) or blocks (only the
+    blocks; embeddings, head and loss eager)."""
     resume: bool | str = "auto"
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a

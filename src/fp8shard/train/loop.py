@@ -53,7 +53,7 @@ from fp8shard.train.builders import (
     build_model,
     build_optimizer,
     build_recipe,
-    compile_blocks,
+    compile_model,
     configure_compute,
     count_fp8_linears,
     describe_compute,
@@ -192,8 +192,8 @@ class Trainer:
         self.window: list[float] = [0.0, 0]
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
-        if t.compile:  # in place: the module tree and state-dict keys stay ([Note: per-block compile])
-            compile_blocks(self.model, self.recipe if m.fp8 else None)
+        if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
+            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope)
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
         inside = self.resumed_from is not None and \
             self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
@@ -310,9 +310,9 @@ class Trainer:
     # ------------------------------------------------------------------ contexts
     def _forward_ctx(self) -> contextlib.ExitStack:
         if self.cfg.trainer.compile and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
-            # [Note: per-block compile]: the parameter all-gathers are awaited here, eagerly, so
-            # the forward pre-hooks inside the compiled blocks find nothing pending (a pending
-            # gather there would be traced into the graph and recompile it block by block).
+            # [Note: compile scope]: the parameter all-gathers are awaited here, eagerly, so the
+            # forward pre-hooks inside the compiled regions find nothing pending (a pending
+            # gather there would be traced into the graph and recompile it region by region).
             self.opt.wait_param_sync()  # type: ignore[attr-defined]
         stack = contextlib.ExitStack()
         if self.cfg.trainer.precision == "bf16-mixed":

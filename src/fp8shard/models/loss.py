@@ -1,0 +1,145 @@
+"""The output layer and the cross-entropy in one pass over chunks of tokens.
+
+[Note: chunked loss]
+    ``F.cross_entropy(F.linear(x, W).float(), targets)`` materializes the logits of every token
+    (N x V: 16 k tokens x 50 k vocab is 1.6 GB in bf16, 3.3 GB in fp32) and autograd keeps
+    them, or their fp32 softmax, until the backward; with the fp32 copies of the eager path the
+    head and the loss held about 8 GB of the 125M GPT's 16 GB peak (issue 16).
+
+    ``linear_cross_entropy`` walks the tokens in chunks of ``rows`` and, for each chunk,
+    computes the logits, their log-softmax and the loss, then at once the gradient of the
+    mean loss with respect to those logits, ``(softmax - onehot) / count``, and from it the
+    chunk's share of ``dL/dx`` and ``dL/dW`` (the two GEMMs the backward of the output layer
+    would run). Only those two gradients are kept for the backward, which multiplies them by
+    the incoming gradient of the loss. So at most one chunk of logits exists at a time, no
+    GEMM is run twice (a recomputing backward would pay a fourth N x C x V GEMM), and the
+    backward of the head is one multiply.
+
+    Numerics are the plain path's: the chunk's logits come from the same ``F.linear`` (same
+    dtype under autocast), their fp32 log-softmax gives the loss and, through ``exp``, the
+    softmax of the gradient, which is cast to the logits' dtype before the GEMMs, as the
+    ``.float()`` of the plain path does in its backward. What differs: the order of the fp32
+    sums (the loss over chunks; ``dW`` as a sum of per-chunk GEMMs, accumulated in fp32, where
+    the plain path rounds one GEMM over all tokens to the weight's dtype) and, when the incoming
+    gradient is not 1 (``loss / k`` for k micro-batches), where it is applied: to ``dx`` and
+    ``dW`` after the GEMMs here, to the logits' gradient before them there (one rounding apart
+    in bf16). tests/train/test_loss.py states the tolerances.
+
+    Under ``torch.compile`` the chunk loop unrolls (the shapes are static) and Inductor fuses
+    each chunk's fp32 work (log-softmax, exp, the one-hot subtraction, the scale, the cast) into
+    a few kernels; eagerly the chunk makes four passes over its fp32 logits (log-softmax, exp,
+    scale, cast), fewer than the plain path's forward and backward. Without gradients
+    (validation) only the loss is computed, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+LOGITS_PER_CHUNK = 2**26
+"""Default chunk: at most this many logits (256 MB in fp32) at a time."""
+
+
+def chunk_rows(num_tokens: int, vocab_size: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk: ``chunk_tokens`` if given, else as many as keep a chunk's logits under
+    ``LOGITS_PER_CHUNK``, a multiple of 64 (whole GEMM tiles), at least 64."""
+    if chunk_tokens is not None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        return min(chunk_tokens, max(num_tokens, 1))
+    rows = max(64, (LOGITS_PER_CHUNK // max(vocab_size, 1)) // 64 * 64)
+    return min(rows, max(num_tokens, 1))
+
+
+def _chunked(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+             ignore_index: int, need_dx: bool, need_dw: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss, dL/dx, dL/dW) over chunks of ``rows`` tokens; see [Note: chunked loss]."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # cast once what autocast would cast for each GEMM
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+    with torch.autocast(dev, enabled=False):
+        return _chunks(x, weight, targets, rows, ignore_index, need_dx, need_dw)
+
+
+def _chunks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+            ignore_index: int, need_dx: bool, need_dw: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    valid = targets != ignore_index
+    count = valid.sum().to(torch.float32)  # all ignored: 0/0 = nan, as F.cross_entropy
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    dx_parts: list[torch.Tensor] = []
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+    for s in range(0, x.shape[0], rows):
+        xc, tc, vc = x[s:s + rows], targets[s:s + rows], valid[s:s + rows]
+        logits = F.linear(xc, weight)  # the plain path's values and dtype
+        dtype = logits.dtype
+        # The plain path's log-softmax (of the fp32 logits), read from the logits directly
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        del logits
+        tsafe = torch.where(vc, tc, 0).unsqueeze(1)
+        total = total - torch.where(vc, logp.gather(1, tsafe).squeeze(1), 0.0).sum()
+        if not (need_dx or need_dw):
+            continue
+        # dL/dlogits = (softmax - onehot) / count on valid rows, in place: one fp32 chunk alive
+        p = logp.exp_()
+        p.scatter_add_(1, tsafe, -vc.unsqueeze(1).to(p.dtype))
+        g = p.mul_(vc.unsqueeze(1).to(p.dtype) / count).to(dtype)
+        del p, logp
+        if need_dx:
+            dx_parts.append(torch.mm(g, weight))
+        if need_dw:
+            assert dw is not None
+            if g.dtype == dw.dtype:
+                dw.addmm_(g.t(), xc)
+            else:
+                dw.add_(torch.mm(g.t(), xc))
+    dx = torch.cat(dx_parts) if need_dx else None
+    return total / count, dx, dw
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients in the forward; the backward scales them ([Note: chunked loss])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+                ignore_index: int, need_dx: bool, need_dw: bool) -> torch.Tensor:
+        loss, dx, dw = _chunked(x, weight, targets, rows, ignore_index, need_dx, need_dw)
+        ctx.need = (need_dx, need_dw)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = list(ctx.saved_tensors)
+        need_dx, need_dw = ctx.need
+        x_dtype, w_dtype = ctx.dtypes
+        dx = (saved.pop(0).to(x_dtype) * grad).to(x_dtype) if need_dx else None
+        dw = (saved.pop(0) * grad).to(w_dtype) if need_dw else None
+        return dx, dw, None, None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk_tokens: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(x, weight).float().flatten(0, -2), targets.flatten())`` (mean
+    over the targets that are not ``ignore_index``) without materializing the logits of all
+    tokens at once. x: (..., C); weight: (V, C); targets: x's leading shape, int64.
+
+    ``chunk_tokens``: tokens per chunk (None: automatic, see ``chunk_rows``). Differentiable in
+    x and weight; works eagerly and under ``torch.compile``. See [Note: chunked loss].
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    t = targets.reshape(-1)
+    if t.shape[0] != x2.shape[0]:
+        raise ValueError(f"targets hold {t.shape[0]} tokens, x {x2.shape[0]}")
+    rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_tokens)
+    need_dx = torch.is_grad_enabled() and x2.requires_grad
+    need_dw = torch.is_grad_enabled() and weight.requires_grad
+    if not (need_dx or need_dw):
+        return _chunked(x2, weight, t, rows, ignore_index, False, False)[0]
+    return _LinearCrossEntropy.apply(x2, weight, t, rows, ignore_index, need_dx, need_dw)

@@ -1,0 +1,166 @@
+"""``trainer.compile_scope`` ([Note: compile scope]): the whole model compiled, gradients still
+reduce-scattered while the backward runs.
+
+One process (DistributedFusedAdam's collectives are then counted identity copies), a 3-block
+GPT in fp32, buckets small enough for about two per block. Each scope trains 3 steps on the
+same tokens as the eager model and must give the eager run's losses and final parameters
+(aot_eager: Dynamo + AOT autograd, the graphs and autograd nodes Inductor would get, without
+its code generation), the same reduce-scatter calls and bytes, and the same state-dict keys.
+Overlap is measured as where, in the backward, each bucket's reduce-scatter was launched:
+after how many of the compiled regions' backward nodes had run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8shard.models import GPT, GPTConfig
+from fp8shard.optim import DistributedFusedAdam
+from fp8shard.train.builders import COMPILE_BACKEND_ENV, compile_model
+
+CFG = GPTConfig(vocab_size=64, max_position_embeddings=16, num_layers=3, hidden_size=32,
+                ffn_hidden_size=64, num_attention_heads=2, loss_chunk_tokens=8)
+STEPS = 3
+
+
+def _compiled_nodes(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
+    """The backward nodes of compiled regions reachable from ``loss``."""
+    seen, todo, found = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in node.name():
+            found.append(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _train(scope: str | None, monkeypatch) -> dict:
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01,
+                               grad_sync_dtype=torch.float32)
+    regions = compile_model(model, None, scope) if scope else 0
+    ran: list[int] = [0]
+    positions: list[int] = []  # per reduce-scatter: compiled regions whose backward had run
+    launch = opt.grad_sync._launch
+
+    def recording_launch(key):
+        positions.append(ran[0])
+        launch(key)
+
+    opt.grad_sync._launch = recording_launch
+    gen = torch.Generator().manual_seed(1)
+    losses, n_nodes = [], 0
+    for _ in range(STEPS):
+        idx = torch.randint(0, CFG.vocab_size, (2, 16), generator=gen)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        nodes = _compiled_nodes(loss)
+        n_nodes = len(nodes)
+        ran[0] = 0
+        for node in nodes:
+            node.register_hook(lambda *_: ran.__setitem__(0, ran[0] + 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    calls = opt._comm.total_calls["reduce_scatter.grads"]
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "rs_calls": calls, "rs_bytes": opt._comm.total_bytes["reduce_scatter.grads"],
+            "positions": positions[-calls // STEPS:], "nodes": n_nodes, "regions": regions,
+            "keys": list(model.state_dict())}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with pytest.MonkeyPatch.context() as mp:
+        return {s: _train(s, mp) for s in (None, "model", "graph", "blocks")}
+
+
+@pytest.mark.parametrize("scope", ["model", "graph", "blocks"])
+def test_every_scope_trains_like_eager(runs, scope):
+    eager, got = runs[None], runs[scope]
+    assert got["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    for a, b in zip(eager["params"], got["params"], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert got["rs_calls"] == eager["rs_calls"] >= 2 * CFG.num_layers * STEPS  # ~2 buckets per block
+    assert got["rs_bytes"] == eager["rs_bytes"]
+    assert got["keys"] == eager["keys"] and not any("_orig_mod" in k for k in got["keys"])
+
+
+def test_model_scope_compiles_everything_in_regions_that_overlap_the_backward(runs):
+    r = runs["model"]
+    assert r["regions"] == r["nodes"] == CFG.num_layers + 2  # embeddings, blocks, head + loss
+    # Reduce-scatters start while regions are still to run backward: the head's and the
+    # blocks' buckets launch before the last region (the embeddings) has run.
+    assert r["positions"] == sorted(r["positions"])
+    assert r["positions"][0] <= 2 and r["positions"][-1] == r["nodes"]
+    assert sum(p < r["nodes"] for p in r["positions"]) >= CFG.num_layers
+    assert len(set(r["positions"])) >= CFG.num_layers
+
+
+def test_graph_scope_is_one_node_and_launches_after_the_whole_backward(runs):
+    r = runs["graph"]
+    assert r["regions"] == r["nodes"] == 1
+    assert set(r["positions"]) == {1}  # every reduce-scatter after the one backward node
+
+
+def test_blocks_scope_leaves_embeddings_and_head_eager(runs):
+    r = runs["blocks"]
+    assert r["regions"] == r["nodes"] == CFG.num_layers
+    assert sum(p < r["nodes"] for p in r["positions"]) >= CFG.num_layers - 1
+
+
+def test_unknown_scope_is_refused():
+    with pytest.raises(ValueError, match="compile scope 'layers'"):
+        compile_model(GPT(CFG), None, "layers")
+
+
+def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu") -> tuple[list[float], int]:
+    """FP8 weights and GEMMs (delayed scaling) + DistributedFusedAdam, as the training command."""
+    import fp8shard as fs
+
+    torch.manual_seed(0)
+    with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
+        model = GPT(CFG).to(device)
+    model.to(torch.bfloat16)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01)
+    recipe = fs.DelayedScaling()
+    if scope:
+        compile_model(model, recipe, scope)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, CFG.vocab_size, (2, 16), generator=gen).to(device)
+        with fs.fp8_autocast(enabled=True, recipe=recipe):
+            loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt._comm.total_calls["reduce_scatter.grads"]
+
+
+def test_fp8_weights_whole_model_compiled_train_like_eager(monkeypatch):
+    """The default scope with FP8 weights (the whole GPT as one graph with FP8 weights is
+    tests/nn/test_compile_graph.py's)."""
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    eager, eager_calls = _train_fp8(None)
+    got, calls = _train_fp8("model")
+    assert got == pytest.approx(eager, rel=1e-3)  # tests/train/test_compile_train.py's tolerance
+    assert calls == eager_calls > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["model", "graph"])
+def test_cuda_inductor_whole_model_fp8_trains_like_eager(scope):
+    """On the GPU with Inductor (its FP8 casts are generated code, eager's are Triton kernels):
+    the same losses to a relative 1e-2 over 3 steps and the same reduce-scatters."""
+    eager, eager_calls = _train_fp8(None, steps=3, device="cuda")
+    got, calls = _train_fp8(scope, steps=3, device="cuda")
+    assert got == pytest.approx(eager, rel=1e-2)
+    assert calls == eager_calls > 0
