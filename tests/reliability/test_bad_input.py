@@ -137,7 +137,7 @@ CASES = [
     Case(
         "tokens-missing-file", ["data.source=tokens", "data.path={tmp}/nope.bin"], "data.path: no such file"
     ),
-    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "data.path: no such file"),
+    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "is a directory, not a file"),
     Case(
         "tokens-empty-file",
         ["data.source=tokens", "data.path={tmp}/empty.bin"],
@@ -250,6 +250,66 @@ CASES = [
     ),
 ]
 
+# Issue 19: every number finite and in range, every size bounded by memory, every file and run
+# directory problem one line; the run directory's lock; resuming onto other data.
+DEEP = "/".join(["d" * 200] * 21) + "/run"  # a run directory path beyond PATH_MAX (4096)
+CASES += [
+    # ------------------------------------------------------------------ config: finite and in range
+    Case("clip-nan", ["trainer.gradient_clip_val=.nan"], "trainer.gradient_clip_val must be a finite number"),
+    Case("clip-negative", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val must be >= 0"),
+    Case("lr-inf", ["model.optim.lr=.inf"], "model.optim.lr must be a finite number, got inf"),
+    Case("eps-zero", ["model.optim.eps=0"], "model.optim.eps must be > 0"),
+    Case("eps-nan", ["model.optim.eps=.nan"], "model.optim.eps must be a finite number"),
+    Case("beta-nan", ["model.optim.betas=[.nan,0.95]"], "model.optim.betas[0] must be a finite number"),
+    Case("beta-one", ["model.optim.betas=[0.9,1.0]"], "model.optim.betas must be two numbers in [0, 1)"),
+    Case("weight-decay-negative", ["model.optim.weight_decay=-0.1"], "model.optim.weight_decay must be >= 0"),
+    Case("weight-decay-inf", ["model.optim.weight_decay=.inf"], "model.optim.weight_decay must be a finite"),
+    Case("min-lr-nan", ["model.optim.sched.min_lr=.nan"], "model.optim.sched.min_lr must be a finite number"),
+    Case("dropout-negative", ["model.attention_dropout=-0.1"], "model.attention_dropout must be in [0, 1)"),
+    Case("init-std-zero", ["model.init_method_std=0"], "model.init_method_std must be > 0"),
+    Case("bucket-cap-nan", ["model.optim.bucket_cap_mb=.nan"], "model.optim.bucket_cap_mb must be a finite"),
+    Case("timeout-huge", ["trainer.collective_timeout_s=1e12"],
+         "trainer.collective_timeout_s must be at most"),
+    Case("overflow-factor-half", ["trainer.fp8_overflow_factor=0.5"], "must be 0 (off) or >= 1"),
+    Case("concentration-nan", ["data.markov_concentration=.nan"],
+         "data.markov_concentration must be a finite"),
+    Case("val-fraction-one", ["data.val_fraction=1.0"], "data.val_fraction must be in (0, 1)"),
+    Case("model-seed-negative", ["model.seed=-1"], "model.seed must be in [0, 2**32)"),
+    Case("data-seed-huge", ["data.seed=99999999999"], "data.seed must be in [0, 2**32)"),
+    Case("fp8-margin-huge", ["model.fp8_margin=2000"], "model.fp8_margin must be < 32"),
+    Case("markov-order-beyond-seq", ["data.markov_order=100"], "data.markov_order (100) must be <="),
+    Case("markov-spread-too-wide", ["data.markov_spread=200"], "data.markov_spread must be in [0,"),
+    # ------------------------------------------------------------------ config: sizes bounded by memory
+    Case("hidden-size-huge", ["model.hidden_size=1048576", "model.num_attention_heads=1"],
+         "parameters and optimizer"),
+    Case("layers-huge", ["model.num_layers=100000000"], "model.num_layers: make those smaller"),
+    Case("micro-batch-huge", ["model.micro_batch_size=10000000", "model.global_batch_size=10000000"],
+         "which grows with model.micro_batch_size"),
+    Case("seq-len-huge", ["model.encoder_seq_length=100000", "data.num_train_tokens=300000",
+                          "data.num_val_tokens=300000"], "attention scores"),
+    Case("vocab-huge", ["data.vocab_size=1000000000"], "data.vocab_size"),
+    Case("corpus-huge", ["data.num_train_tokens=100000000000"], "the largest part: data"),
+    Case("amax-history-huge", ["model.fp8_amax_history_len=10000000000"], "model.fp8_amax_history_len"),
+    # ------------------------------------------------------------------ presets and run directories
+    Case("preset-is-directory", ["config={tmp}"], "is a directory, not a YAML file"),
+    Case("preset-not-utf8", ["config={tmp}/latin1.yaml"], "is not UTF-8 text",
+         _write("latin1.yaml", b"trainer:\n  max_steps: 3  # caf\xe9\n")),
+    Case("preset-unreadable", ["config=/proc/self/mem"], "config: cannot read /proc/self/mem"),
+    Case("name-too-long", [], "exp_manager.name is 300 bytes long", run_name="n" * 300),
+    Case("path-too-long", [], "exceeds the system's limit of", run_name=DEEP),
+    Case("exp-dir-is-a-file", [], "exp_manager.exp_dir: ", _write("f", b"x"), run_name="f/run"),
+    Case("run-dir-is-a-file", [], "exists and is not a directory", _write("run", b"x")),
+    # ------------------------------------------------------------------ data
+    Case("tokens-path-is-a-device", ["data.source=tokens", "data.path=/dev/null"], "is not a regular file"),
+    Case(
+        "tokenizer-is-a-directory",
+        ["data.source=text", "data.path={tmp}/t.txt", "data.tokenizer={tmp}"],
+        "data.tokenizer: ",
+        _write("t.txt", TEXT.encode()),
+    ),
+]
+NEW_CASES = 38  # issue 19's additions above
+
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory) -> Path:
@@ -261,7 +321,7 @@ def checkpointed(tmp_path_factory) -> Path:
 
 
 def test_enough_cases():
-    assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) >= 25 + NEW_CASES and len({c.id for c in CASES}) == len(CASES)
     assert len(API_CASES) >= 15 and len({c.id for c in API_CASES}) == len(API_CASES)
 
 

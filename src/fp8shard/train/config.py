@@ -406,10 +406,18 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
     if not p.exists():
         presets = ", ".join(sorted(x.stem for x in PRESETS_DIR.glob("*.yaml")))
         raise ConfigError(f"config: no such file {str(path)!r} (shipped presets: {presets})")
+    if p.is_dir():
+        raise ConfigError(f"config: {p} is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+        raise ConfigError(f"config: {p} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {p} must hold a mapping of sections, got {type(data).__name__}")
     for key, value in _flatten(data):
