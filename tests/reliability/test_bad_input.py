@@ -11,7 +11,9 @@ argument, and the tensors and optimizer state unchanged.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import math
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 import fp8shard as fs
 from fp8shard.optim import DistributedFusedAdam
 from fp8shard.train.__main__ import main
+from fp8shard.train.rundir import LOCK_NAME
 from tests.optim.dist_cases import TinyMixed, batch
 from tests.reliability.common import run_args, tensor_digest, tree_digest, weights_and_state_digest
 
@@ -38,7 +41,7 @@ class Case:
     """setup(tmp directory, the shared checkpointed run) writes the files the case needs; in the
     arguments, {tmp} and {ck} stand for those two."""
     run_name: str = "run"
-    """The run directory the case names; it is compared before and after."""
+    """The run directory the case names (under {tmp}; may be nested); it is compared before and after."""
 
 
 def _write(name: str, data: bytes) -> Callable[[Path, Path], None]:
@@ -78,6 +81,32 @@ def _flip_byte(ck: Path) -> None:
 def _garble_manifest(ck: Path) -> None:
     manifest = next(p for p in ck.iterdir() if p.suffix == ".json")
     manifest.write_text("{ not json")
+
+
+def _copy_without_manifests(tmp: Path, ck: Path) -> None:
+    """The shared run copied to {tmp}/own with every checkpoint's manifest.json deleted."""
+    shutil.copytree(ck, tmp / "own")
+    for manifest in (tmp / "own" / "checkpoints").glob("step_*/manifest.json"):
+        manifest.unlink()
+
+
+_HELD_LOCKS: list[int] = []
+
+
+def _locked_by_another_job(tmp: Path, ck: Path) -> None:
+    """{tmp}/own holds a run whose lock another job holds (an flock on its own open file)."""
+    shutil.copytree(ck, tmp / "own")
+    fd = os.open(tmp / "own" / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, b"pid 4242 on otherhost, started 2026-01-01T00:00:00\n")
+    _HELD_LOCKS.append(fd)
+
+
+@pytest.fixture(autouse=True)
+def _release_held_locks():
+    yield
+    while _HELD_LOCKS:
+        os.close(_HELD_LOCKS.pop())
 
 
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
@@ -279,6 +308,8 @@ CASES += [
     Case("fp8-margin-huge", ["model.fp8_margin=2000"], "model.fp8_margin must be < 32"),
     Case("markov-order-beyond-seq", ["data.markov_order=100"], "data.markov_order (100) must be <="),
     Case("markov-spread-too-wide", ["data.markov_spread=200"], "data.markov_spread must be in [0,"),
+    Case("overwrite-with-auto", ["trainer.overwrite=true"],
+         "trainer.overwrite=true needs trainer.resume=never"),
     # ------------------------------------------------------------------ config: sizes bounded by memory
     Case("hidden-size-huge", ["model.hidden_size=1048576", "model.num_attention_heads=1"],
          "parameters and optimizer"),
@@ -307,8 +338,29 @@ CASES += [
         "data.tokenizer: ",
         _write("t.txt", TEXT.encode()),
     ),
+    # ------------------------------------------------------------------ the run directory's earlier run
+    Case("auto-over-incomplete-checkpoints", ["trainer.resume=auto"],
+         "but none is complete (no valid manifest",
+         _copy_without_manifests, run_name="own"),
+    Case("never-over-incomplete-checkpoints", ["trainer.resume=never"], "incomplete checkpoint directories",
+         _copy_without_manifests, run_name="own"),
+    Case("overwrite-would-delete-resume-source",
+         ["trainer.overwrite=true", "trainer.resume={tmp}/own/checkpoints"],
+         "trainer.overwrite=true would delete", _copy_ck(into="own"), run_name="own"),
+    Case("run-dir-locked", [], "is in use by another training job (held by pid 4242 on otherhost",
+         _locked_by_another_job, run_name="own"),
+    # ------------------------------------------------------------------ resuming onto other data
+    Case("resume-other-data-seed", ["data.seed=99"],
+         "data.seed=99 but the checkpoint was trained with data.seed=1234",
+         _copy_ck(into="own"), run_name="own"),
+    Case("resume-other-seq-len", ["model.encoder_seq_length=32", "model.max_position_embeddings=64"],
+         "model.encoder_seq_length=32 but the checkpoint was trained with model.encoder_seq_length=64",
+         _copy_ck(into="own"), run_name="own"),
+    Case("resume-other-corpus", ["data.num_train_tokens=50000"],
+         "data.num_train_tokens=50000 but the checkpoint",
+         _copy_ck(into="own"), run_name="own"),
 ]
-NEW_CASES = 38  # issue 19's additions above
+NEW_CASES = 46  # issue 19's additions above
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """``python -m fp8shard.train [config=PRESET] [key=value ...]``, or under ``torchrun``.
 
-A configuration problem prints one message naming the key (no traceback) and exits with 2; a
-run that cannot go on (too many skipped steps in a row, a collective that timed out) prints one
+A configuration problem prints one message naming the key (no traceback) and exits with 2, as
+does a run directory another job holds (every rank says so); a run that cannot go on
+(too many skipped steps in a row, a collective that timed out) prints one
 message naming the cause and exits with 1 (docs/reliability.md).
 """
 
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     from fp8shard.train.distributed import init_distributed, teardown
     from fp8shard.train.loop import Trainer, TrainingFailure
     from fp8shard.train.report_hook import draw_plots
+    from fp8shard.train.rundir import RunDirInUse
 
     env = init_distributed(cfg.trainer.accelerator, cfg.trainer.collective_timeout_s)
     code = 0
+    trainer = None
     try:
         trainer = Trainer(cfg, env)
         trainer.fit()
@@ -52,11 +55,18 @@ def main(argv: list[str] | None = None) -> int:
             draw_plots(trainer.run_dir)
     except ConfigError as e:  # problems only the data can reveal (e.g. a too-short file)
         code = _error(str(e))
+    except RunDirInUse as e:  # every rank learnt it from rank 0: each says so once
+        where = "" if env.world_size == 1 else f" (rank {env.rank})"
+        print(f"fp8shard.train: error{where}: {e}", file=sys.stderr, flush=True)
+        code = 2
     except TrainingFailure as e:  # the ranks may disagree on where they are: no barrier
         code = _failure(str(e), e.every_rank)  # a timed-out group may not destroy cleanly: leave without it
     except BaseException:
         teardown(env, wait=False)  # the other ranks may never arrive: no barrier
         raise
+    finally:
+        if trainer is not None:
+            trainer.close()  # the run directory's lock
     if code != 1:
         teardown(env, wait=code == 0)
     if env.backend is not None:

@@ -63,6 +63,10 @@ class TrainerConfig:
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
     checkpoint path (or a directory holding checkpoints) to start from."""
+    overwrite: bool = False
+    """With resume=never: start fresh in a run directory that holds an earlier run's checkpoints
+    (complete or not), deleting them, its metrics.jsonl and summary.json first; without it such
+    a directory is refused. docs/reliability.md."""
     max_consecutive_skips: int = 10
     """A step whose loss or gradients are not finite is skipped (nothing changes); after this
     many skipped steps in a row the run stops with an error (docs/reliability.md)."""

@@ -214,6 +214,9 @@ def _checkpoint(cfg: Config) -> None:
     if not isinstance(resume, bool) and resume not in ("auto", "never") and not os.path.isdir(resume):
         raise ConfigError(f"trainer.resume: {resume!r} is neither auto, never, nor an existing checkpoint "
                           "directory (or a directory holding checkpoints)")
+    if cfg.trainer.overwrite and resume in (True, "auto"):
+        raise ConfigError("trainer.overwrite=true needs trainer.resume=never: with resume=auto the run "
+                          "would delete the checkpoints it continues from")
     horizon = cfg.model.optim.sched.max_steps
     if horizon and horizon < cfg.trainer.max_steps:
         raise ConfigError(f"model.optim.sched.max_steps ({horizon}) must be 0 or >= trainer.max_steps "
