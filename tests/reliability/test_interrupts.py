@@ -1,13 +1,28 @@
-"""Issue 19: starting over with trainer.overwrite."""
+"""Issue 19: a data file changed under a run, validation with fewer windows than ranks, and
+starting over with trainer.overwrite.
+
+In-process runs (one rank) inject the event at a chosen step (deterministic); the torchrun run
+(2 gloo ranks) checks the validation split across ranks.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from fp8shard.train.__main__ import main
+from fp8shard.train.data import DataFileChanged, TokenFile
+from fp8shard.train.loop import Trainer
 from fp8shard.train.rundir import LOCK_NAME
-from tests.reliability.common import run_args, tree_digest
+from tests.reliability.common import SMALL, kill_tree, run_args, tree_digest
+from tests.train.helpers import read_summary
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -19,6 +34,73 @@ def _leftovers(run_dir: Path) -> list[str]:
     """Partial saves, temporary files and the lock: nothing of these may stay after a run."""
     return [str(p) for p in run_dir.rglob("*") if ".tmp-" in p.name or p.name.startswith(".trash-")
             or p.name == LOCK_NAME]
+
+
+def _at_step(monkeypatch, step: int, action) -> None:
+    """Run ``action()`` at the start of optimizer step ``step`` (1-based) of the in-process run."""
+    orig = Trainer.train_step
+
+    def train_step(self):
+        if self.step + 1 == step:
+            action()
+        return orig(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def _token_file(path: Path, n: int = 40000) -> Path:
+    (np.arange(n) * 7 % 256).astype(np.uint16).tofile(path)
+    return path
+
+
+# ---------------------------------------------------------------------------- the data file changes
+def _truncate(path: Path) -> None:
+    os.truncate(path, 1000)
+
+
+def _replace(path: Path) -> None:
+    other = path.with_name("other.bin")
+    _token_file(other, 40000)
+    os.replace(other, path)
+
+
+def _rewrite(path: Path) -> None:
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a coarse clock cannot hide it
+
+
+@pytest.mark.parametrize("change,what", [(_truncate, "its size went from 80000 to 1000 bytes"),
+                                         (_replace, "it was replaced by another file"),
+                                         (_rewrite, "it was rewritten")])
+def test_token_file_changed_during_the_run_stops_with_one_line(tmp_path, monkeypatch, capsys, change, what):
+    """[Note: token file reads]: read with pread, never memory-mapped, so a truncated file is an
+    error line (exit 1), not SIGBUS; a replaced or rewritten one is caught at the next step."""
+    data = _token_file(tmp_path / "tokens.bin")
+    run_dir = tmp_path / "run"
+    _at_step(monkeypatch, 2, lambda: change(data))
+    code = main(run_args(run_dir, "data.source=tokens", f"data.path={data}", "data.vocab_size=256",
+                         "trainer.max_steps=3", "checkpoint.every_n_steps=1"))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"fp8shard.train: error: data.path: {data} changed while the run was reading it")
+    assert what in err
+    assert [r["step"] for r in _records(run_dir)] == [1]
+    assert (run_dir / "checkpoints" / "step_00000001" / "manifest.json").exists()
+    assert _leftovers(run_dir) == []
+
+
+def test_a_read_past_the_end_of_a_truncated_token_file_is_an_error_not_sigbus(tmp_path):
+    path = _token_file(tmp_path / "t.bin", 1000)
+    f = TokenFile(str(path), np.uint16)
+    assert f.read(990, 1000).tolist() == (np.arange(990, 1000) * 7 % 256).tolist()
+    os.truncate(path, 100)
+    with pytest.raises(DataFileChanged, match="size went from 2000 to 100 bytes"):
+        f.read(990, 1000)
+    f.close()
 
 
 # ---------------------------------------------------------------------------- overwrite
@@ -38,3 +120,39 @@ def test_overwrite_starts_over_where_never_alone_refuses(tmp_path, capsys):
     assert deleted in out
     assert not (run_dir / "checkpoints").exists() and [r["step"] for r in _records(run_dir)] == [1]
     assert _leftovers(run_dir) == []
+
+
+# ---------------------------------------------------------------------------- torchrun, 2 ranks
+def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "fp8shard.train", *overrides, f"exp_manager.exp_dir={run_dir.parent}",
+           f"exp_manager.name={run_dir.name}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with log.open("w") as f:  # a file, not a pipe: nobody reads while it runs
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+
+
+def _wait(p: subprocess.Popen, log: Path, timeout: float) -> str:
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        p.wait()
+        raise AssertionError(f"torchrun did not end within {timeout}s:\n{log.read_text()[-3000:]}") from None
+    return log.read_text()
+
+
+def test_validation_with_fewer_windows_than_ranks_covers_them(tmp_path):
+    """One validation window, two ranks: both evaluate (rank 1 a padding forward) and the loss
+    is that window's, not 0.0 (what a rank without windows used to contribute)."""
+    data = _token_file(tmp_path / "tokens.bin")
+    args = [*SMALL, "data.source=tokens", f"data.path={data}", "data.vocab_size=256",
+            "data.val_fraction=0.001", "trainer.max_steps=1"]  # 40 held-out tokens -> one window of 65
+    run_dir = tmp_path / "two"
+    text = _wait(_launch(run_dir, args, tmp_path / "two.log"), tmp_path / "two.log", timeout=120)
+    val2 = read_summary(run_dir)["val_loss"]
+    assert main([*args, f"exp_manager.exp_dir={tmp_path}", "exp_manager.name=one"]) == 0
+    val1 = read_summary(tmp_path / "one")["val_loss"]
+    assert math.isfinite(val2) and val2 > 4.0, text[-2000:]  # about ln 256 after one step
+    assert abs(val2 - val1) < 0.05 * val1

@@ -61,7 +61,7 @@ from fp8shard.train.builders import (
     params_dtype,
 )
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
-from fp8shard.train.data import BatchLoader, TokenData, load_data, val_batches
+from fp8shard.train.data import BatchLoader, TokenData, TokenSlice, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
@@ -244,6 +244,11 @@ class Trainer:
             remove_partial_files(self.run_dir, self.ckpt_root, own_only=remove_created)
         if self.lock is not None:
             self.lock.release(remove_created=remove_created)
+        data = getattr(self, "data", None)
+        if data is not None:
+            for tokens in (data.train, data.val):
+                if isinstance(tokens, TokenSlice):
+                    tokens.file.close()
 
     def _start(self) -> None:
         cfg, env = self.cfg, self.env
@@ -528,16 +533,19 @@ class Trainer:
         total = count = 0.0
         with _delayed_scaling_untouched(self.model):
             self.model.eval()
-            for x, y in val_batches(self.data.val, m.encoder_seq_length, n, m.micro_batch_size,
-                                    env.rank, env.world_size, env.device):
+            # [Note: validation split]: the same number of forwards on every rank; a rank past
+            # the end of its share runs a padding forward that does not count.
+            for x, y, padding in val_batches(self.data.val, m.encoder_seq_length, n, m.micro_batch_size,
+                                             env.rank, env.world_size, env.device):
                 with self._forward_ctx():
                     loss = self.model(x, y)
-                total += float(loss) * y.numel()
-                count += y.numel()
+                if not padding:
+                    total += float(loss) * y.numel()
+                    count += y.numel()
             self.model.train()
         self._report_overflows(f"validation after step {self.step}")
         total, count = all_reduce_sum([total, count], env)
-        return total / max(count, 1.0)
+        return total / count if count else float("nan")
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, Any]:
