@@ -105,6 +105,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
             summary = trainer.fit()
         finally:
             sys.stdout = stdout
+            trainer.close()  # the run directory's lock
     wall = time.perf_counter() - start
     result = {"rank": rank, "samples": samples, "wall_s": wall, "steps": trainer.step,
               "final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],

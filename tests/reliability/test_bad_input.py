@@ -1,24 +1,35 @@
-"""Bad input, table-driven: configs, data files and checkpoints the training command refuses.
+"""Bad input, table-driven: configs, data files and checkpoints the training command refuses,
+and the library calls that refuse their arguments.
 
-Every case runs ``fp8shard.train``'s ``main`` in-process (one rank, tiny config) and asserts:
-exit code 2, one message naming the problem, no traceback, and nothing written (the run
+Every ``CASES`` case runs ``fp8shard.train``'s ``main`` in-process (one rank, tiny config) and
+asserts: exit code 2, one message naming the problem, no traceback, and nothing written (the run
 directory absent, or every file under it unchanged; checkpoints used as input unchanged).
+Every ``API_CASES`` case calls the library and asserts the error type, a message naming the
+argument, and the tensors and optimizer state unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+import fp8shard as fs
+from fp8shard.optim import DistributedFusedAdam
 from fp8shard.train.__main__ import main
-from tests.reliability.common import run_args, tree_digest
+from fp8shard.train.rundir import LOCK_NAME
+from tests.optim.dist_cases import TinyMixed, batch
+from tests.reliability.common import run_args, tensor_digest, tree_digest, weights_and_state_digest
 
 
 @dataclasses.dataclass
@@ -31,7 +42,7 @@ class Case:
     """setup(tmp directory, the shared checkpointed run) writes the files the case needs; in the
     arguments, {tmp} and {ck} stand for those two."""
     run_name: str = "run"
-    """The run directory the case names; it is compared before and after."""
+    """The run directory the case names (under {tmp}; may be nested); it is compared before and after."""
     max_lines: int = 10
     """Lines of stderr at most: the message (a mismatch lists a few parameters), then the hint."""
 
@@ -131,6 +142,32 @@ def _group0(m: dict) -> dict:
     return m["optimizer"]["param_groups"][0]
 
 
+def _copy_without_manifests(tmp: Path, ck: Path) -> None:
+    """The shared run copied to {tmp}/own with every checkpoint's manifest.json deleted."""
+    shutil.copytree(ck, tmp / "own")
+    for manifest in (tmp / "own" / "checkpoints").glob("step_*/manifest.json"):
+        manifest.unlink()
+
+
+_HELD_LOCKS: list[int] = []
+
+
+def _locked_by_another_job(tmp: Path, ck: Path) -> None:
+    """{tmp}/own holds a run whose lock another job holds (an flock on its own open file)."""
+    shutil.copytree(ck, tmp / "own")
+    fd = os.open(tmp / "own" / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, b"pid 4242 on otherhost, started 2026-01-01T00:00:00\n")
+    _HELD_LOCKS.append(fd)
+
+
+@pytest.fixture(autouse=True)
+def _release_held_locks():
+    yield
+    while _HELD_LOCKS:
+        os.close(_HELD_LOCKS.pop())
+
+
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
 CK = "{tmp}/copy/checkpoints"
 
@@ -188,7 +225,7 @@ CASES = [
     Case(
         "tokens-missing-file", ["data.source=tokens", "data.path={tmp}/nope.bin"], "data.path: no such file"
     ),
-    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "data.path: no such file"),
+    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "is a directory, not a file"),
     Case(
         "tokens-empty-file",
         ["data.source=tokens", "data.path={tmp}/empty.bin"],
@@ -356,6 +393,89 @@ CASES = [
     ),
 ]
 
+# Issue 19: every number finite and in range, every size bounded by memory, every file and run
+# directory problem one line; the run directory's lock; resuming onto other data.
+DEEP = "/".join(["d" * 200] * 21) + "/run"  # a run directory path beyond PATH_MAX (4096)
+CASES += [
+    # ------------------------------------------------------------------ config: finite and in range
+    Case("clip-nan", ["trainer.gradient_clip_val=.nan"], "trainer.gradient_clip_val must be a finite number"),
+    Case("clip-negative", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val must be >= 0"),
+    Case("lr-inf", ["model.optim.lr=.inf"], "model.optim.lr must be a finite number, got inf"),
+    Case("eps-zero", ["model.optim.eps=0"], "model.optim.eps must be > 0"),
+    Case("eps-nan", ["model.optim.eps=.nan"], "model.optim.eps must be a finite number"),
+    Case("beta-nan", ["model.optim.betas=[.nan,0.95]"], "model.optim.betas[0] must be a finite number"),
+    Case("beta-one", ["model.optim.betas=[0.9,1.0]"], "model.optim.betas must be two numbers in [0, 1)"),
+    Case("weight-decay-negative", ["model.optim.weight_decay=-0.1"], "model.optim.weight_decay must be >= 0"),
+    Case("weight-decay-inf", ["model.optim.weight_decay=.inf"], "model.optim.weight_decay must be a finite"),
+    Case("min-lr-nan", ["model.optim.sched.min_lr=.nan"], "model.optim.sched.min_lr must be a finite number"),
+    Case("dropout-negative", ["model.attention_dropout=-0.1"], "model.attention_dropout must be in [0, 1)"),
+    Case("init-std-zero", ["model.init_method_std=0"], "model.init_method_std must be > 0"),
+    Case("bucket-cap-nan", ["model.optim.bucket_cap_mb=.nan"], "model.optim.bucket_cap_mb must be a finite"),
+    Case("timeout-huge", ["trainer.collective_timeout_s=1e12"],
+         "trainer.collective_timeout_s must be at most"),
+    Case("overflow-factor-half", ["trainer.fp8_overflow_factor=0.5"], "must be 0 (off) or >= 1"),
+    Case("concentration-nan", ["data.markov_concentration=.nan"],
+         "data.markov_concentration must be a finite"),
+    Case("val-fraction-one", ["data.val_fraction=1.0"], "data.val_fraction must be in (0, 1)"),
+    Case("model-seed-negative", ["model.seed=-1"], "model.seed must be in [0, 2**32)"),
+    Case("data-seed-huge", ["data.seed=99999999999"], "data.seed must be in [0, 2**32)"),
+    Case("fp8-margin-huge", ["model.fp8_margin=2000"], "model.fp8_margin must be < 32"),
+    Case("markov-order-beyond-seq", ["data.markov_order=100"], "data.markov_order (100) must be <="),
+    Case("markov-spread-too-wide", ["data.markov_spread=200"], "data.markov_spread must be in [0,"),
+    Case("overwrite-with-auto", ["trainer.overwrite=true"],
+         "trainer.overwrite=true needs trainer.resume=never"),
+    # ------------------------------------------------------------------ config: sizes bounded by memory
+    Case("hidden-size-huge", ["model.hidden_size=1048576", "model.num_attention_heads=1"],
+         "parameters and optimizer"),
+    Case("layers-huge", ["model.num_layers=100000000"], "model.num_layers: make those smaller"),
+    Case("micro-batch-huge", ["model.micro_batch_size=10000000", "model.global_batch_size=10000000"],
+         "which grows with model.micro_batch_size"),
+    Case("seq-len-huge", ["model.encoder_seq_length=100000", "data.num_train_tokens=300000",
+                          "data.num_val_tokens=300000"], "attention scores"),
+    Case("vocab-huge", ["data.vocab_size=1000000000"], "data.vocab_size"),
+    Case("corpus-huge", ["data.num_train_tokens=100000000000"], "the largest part: data"),
+    Case("amax-history-huge", ["model.fp8_amax_history_len=10000000000"], "model.fp8_amax_history_len"),
+    # ------------------------------------------------------------------ presets and run directories
+    Case("preset-is-directory", ["config={tmp}"], "is a directory, not a YAML file"),
+    Case("preset-not-utf8", ["config={tmp}/latin1.yaml"], "is not UTF-8 text",
+         _write("latin1.yaml", b"trainer:\n  max_steps: 3  # caf\xe9\n")),
+    Case("preset-unreadable", ["config=/proc/self/mem"], "config: cannot read /proc/self/mem"),
+    Case("name-too-long", [], "exp_manager.name is 300 bytes long", run_name="n" * 300),
+    Case("path-too-long", [], "exceeds the system's limit of", run_name=DEEP),
+    Case("exp-dir-is-a-file", [], "exp_manager.exp_dir: ", _write("f", b"x"), run_name="f/run"),
+    Case("run-dir-is-a-file", [], "exists and is not a directory", _write("run", b"x")),
+    # ------------------------------------------------------------------ data
+    Case("tokens-path-is-a-device", ["data.source=tokens", "data.path=/dev/null"], "is not a regular file"),
+    Case(
+        "tokenizer-is-a-directory",
+        ["data.source=text", "data.path={tmp}/t.txt", "data.tokenizer={tmp}"],
+        "data.tokenizer: ",
+        _write("t.txt", TEXT.encode()),
+    ),
+    # ------------------------------------------------------------------ the run directory's earlier run
+    Case("auto-over-incomplete-checkpoints", ["trainer.resume=auto"],
+         "but none is complete (no valid manifest",
+         _copy_without_manifests, run_name="own"),
+    Case("never-over-incomplete-checkpoints", ["trainer.resume=never"], "incomplete checkpoint directories",
+         _copy_without_manifests, run_name="own"),
+    Case("overwrite-would-delete-resume-source",
+         ["trainer.overwrite=true", "trainer.resume={tmp}/own/checkpoints"],
+         "trainer.overwrite=true would delete", _copy_ck(into="own"), run_name="own"),
+    Case("run-dir-locked", [], "is in use by another training job (held by pid 4242 on otherhost",
+         _locked_by_another_job, run_name="own"),
+    # ------------------------------------------------------------------ resuming onto other data
+    Case("resume-other-data-seed", ["data.seed=99"],
+         "data.seed=99 but the checkpoint was trained with data.seed=1234",
+         _copy_ck(into="own"), run_name="own"),
+    Case("resume-other-seq-len", ["model.encoder_seq_length=32", "model.max_position_embeddings=64"],
+         "model.encoder_seq_length=32 but the checkpoint was trained with model.encoder_seq_length=64",
+         _copy_ck(into="own"), run_name="own"),
+    Case("resume-other-corpus", ["data.num_train_tokens=50000"],
+         "data.num_train_tokens=50000 but the checkpoint",
+         _copy_ck(into="own"), run_name="own"),
+]
+NEW_CASES = 46  # issue 19's additions above
+
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory) -> Path:
@@ -367,7 +487,8 @@ def checkpointed(tmp_path_factory) -> Path:
 
 
 def test_enough_cases():
-    assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) >= 25 + NEW_CASES and len({c.id for c in CASES}) == len(CASES)
+    assert len(API_CASES) >= 15 and len({c.id for c in API_CASES}) == len(API_CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -386,3 +507,123 @@ def test_bad_input(case, tmp_path, checkpointed, capsys):
     assert len(err.splitlines()) <= case.max_lines  # one message, then the hint
     assert tree_digest(tmp_path) == before  # nothing written: no run directory, no file changed
     assert tree_digest(checkpointed) == base
+
+
+# ---------------------------------------------------------------------------- the library API
+@dataclasses.dataclass
+class ApiCase:
+    id: str
+    call: Callable[[Any], Any]
+    """call(objects): the bad call; objects has x, f8 (a Float8Tensor), model and opt (a
+    DistributedFusedAdam whose model has had a backward, so gradients are waiting)."""
+    error: type[Exception]
+    expect: str
+    """A substring of the error message (it names the argument)."""
+
+
+def _opt(**kw: Any) -> Callable[[Any], Any]:
+    return lambda o: DistributedFusedAdam(o.model.parameters(), **kw)
+
+
+def _set_group(key: str, value: Any) -> Callable[[Any], Any]:
+    def call(o: Any) -> None:
+        before = o.opt.param_groups[0][key]
+        o.opt.param_groups[0][key] = value
+        try:
+            o.opt.step()
+        finally:
+            o.opt.param_groups[0][key] = before
+
+    return call
+
+
+NAN, INF = math.nan, math.inf
+API_CASES = [
+    ApiCase("quantize-scale-zero", lambda o: fs.Float8Tensor.quantize(o.x, "E4M3", scale=0.0), ValueError,
+            "scale must be finite and > 0, got 0.0"),
+    ApiCase("quantize-scale-negative", lambda o: fs.Float8Tensor.quantize(o.x, "E4M3", scale=-1), ValueError,
+            "scale must be finite and > 0, got -1.0"),
+    ApiCase("quantize-scale-nan", lambda o: fs.Float8Tensor.quantize(o.x, "E4M3", scale=NAN), ValueError,
+            "scale must be finite and > 0, got nan"),
+    ApiCase("quantize-scale-inf-tensor",
+            lambda o: fs.Float8Tensor.quantize(o.x, "E4M3", scale=torch.tensor(INF)),
+            ValueError, "scale must be finite and > 0, got inf"),
+    ApiCase("quantize_-scale-zero-tensor", lambda o: o.f8.quantize_(o.x, torch.tensor(0.0)), ValueError,
+            "scale must be finite and > 0, got 0.0"),
+    ApiCase("quantize_-scale-negative-tensor", lambda o: o.f8.quantize_(o.x, torch.tensor(-2.0)), ValueError,
+            "scale must be finite and > 0, got -2.0"),
+    ApiCase("quantize_-scale-nan-tensor", lambda o: o.f8.quantize_(o.x, torch.tensor(NAN)), ValueError,
+            "scale must be finite and > 0, got nan"),
+    ApiCase("quantize_-scale-python-zero", lambda o: o.f8.quantize_(o.x, 0.0), ValueError,
+            "scale must be finite and > 0, got 0.0"),
+    ApiCase("quantize_-scale-not-a-number", lambda o: o.f8.quantize_(o.x, "1.0"), TypeError,
+            "scale must be a float or a tensor, got str"),
+    ApiCase("clip-negative", lambda o: o.opt.clip_grad_norm(-1.0), ValueError,
+            "clip_grad_norm: max_norm must be >= 0 (inf: no clipping), got -1.0"),
+    ApiCase("clip-nan", lambda o: o.opt.clip_grad_norm(NAN), ValueError, "max_norm must be >= 0"),
+    ApiCase("clip-negative-cpu-tensor", lambda o: o.opt.clip_grad_norm(torch.tensor(-0.5)), ValueError,
+            "max_norm must be >= 0"),
+    ApiCase("clip-not-a-number", lambda o: o.opt.clip_grad_norm("1"), TypeError, "max_norm must be a number"),
+    ApiCase("adam-lr-nan", _opt(lr=NAN), ValueError, "lr must be a finite number >= 0, got nan"),
+    ApiCase("adam-eps-inf", _opt(eps=INF), ValueError, "eps must be a finite number >= 0, got inf"),
+    ApiCase("adam-eps-negative", _opt(eps=-1e-8), ValueError, "eps must be a finite number >= 0"),
+    ApiCase("adam-weight-decay-nan", _opt(weight_decay=NAN), ValueError,
+            "weight_decay must be a finite number"),
+    ApiCase("adam-beta-one", _opt(betas=(0.9, 1.0)), ValueError, "betas must be two numbers in [0, 1)"),
+    ApiCase("adam-beta-nan", _opt(betas=(NAN, 0.9)), ValueError, "betas must be two numbers in [0, 1)"),
+    ApiCase("adam-bucket-cap-nan", _opt(bucket_cap_mb=NAN), ValueError,
+            "bucket_cap_mb must be a finite number > 0"),
+    ApiCase("adam-alignment-zero", _opt(alignment=0), ValueError, "alignment must be an int >= 1"),
+    ApiCase("step-with-lr-set-to-nan", _set_group("lr", NAN), ValueError, "check the LR schedule"),
+    ApiCase("step-with-weight-decay-set-to-inf", _set_group("weight_decay", INF), ValueError,
+            "weight_decay must be a finite number >= 0, got inf"),
+]
+
+
+@dataclasses.dataclass
+class _Objects:
+    x: torch.Tensor
+    f8: fs.Float8Tensor
+    model: torch.nn.Module
+    opt: DistributedFusedAdam
+
+
+def _objects() -> _Objects:
+    torch.manual_seed(0)
+    x = torch.randn(16, 16)
+    model = TinyMixed()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, grad_sync_dtype=torch.float32)
+    model(batch(1, 0)).square().mean().backward()  # gradients wait in the buckets
+    return _Objects(x, fs.Float8Tensor.quantize(x, "E4M3"), model, opt)
+
+
+def _state(o: _Objects) -> tuple[str, str, list[str]]:
+    grads = [tensor_digest(rb.grad_buffer) for rb in o.opt.regions]
+    return tensor_digest(o.f8), weights_and_state_digest(o.model, o.opt), grads
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=[c.id for c in API_CASES])
+def test_bad_api_call(case):
+    o = _objects()
+    before = _state(o)
+    with pytest.raises(case.error) as info:
+        case.call(o)
+    assert case.expect in str(info.value), str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+    assert _state(o) == before  # nothing changed: bytes, scale, weights, master, moments, step, gradients
+    o.opt.step()  # and the optimizer still works afterwards
+    assert not o.opt.last_step_skipped and o.opt.state_dict()["step"] == 1
+
+
+def test_step_before_any_backward_is_a_no_op():
+    # [Note: step without gradients]: as torch.optim skips parameters whose .grad is None.
+    model = TinyMixed()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    before = weights_and_state_digest(model, opt)
+    opt.step()
+    assert opt.last_step_skipped and opt.state_dict()["step"] == 0
+    assert weights_and_state_digest(model, opt) == before  # no weight decay applied
+    model(batch(1, 0)).square().mean().backward()
+    opt.step()
+    opt.step()  # again without a backward in between: nothing more
+    assert opt.state_dict()["step"] == 1 and opt.last_step_skipped

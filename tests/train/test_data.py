@@ -89,10 +89,22 @@ def test_loader_state_resumes_at_another_world_size():
 
 def test_validation_windows_are_split_evenly_and_cover_the_same_set():
     tokens = np.arange(3000, dtype=np.uint16)
-    whole = torch.cat([x for x, _ in val_batches(tokens, 10, 32, 4, 0, 1)])
+    whole = torch.cat([x for x, _, _ in val_batches(tokens, 10, 32, 4, 0, 1)])
     parts = [list(val_batches(tokens, 10, 32, 4, r, 4)) for r in range(4)]
     assert len({len(p) for p in parts}) == 1  # same number of forwards on every rank
-    assert torch.equal(torch.cat([x for p in parts for x, _ in p]), whole)
+    assert torch.equal(torch.cat([x for p in parts for x, _, pad in p if not pad]), whole)
+
+
+@pytest.mark.parametrize("windows,world,micro", [(1, 2, 4), (2, 3, 1), (3, 2, 4), (5, 4, 2), (7, 3, 2)])
+def test_fewer_validation_windows_than_ranks_still_cover_each_window_once(windows, world, micro):
+    # [Note: validation split]: every window once, every rank the same number of forwards (at
+    # least one, a padding forward where its share is empty); padding is left out of the mean.
+    seq = 10
+    tokens = np.arange(windows * seq + 1, dtype=np.uint16)  # exactly `windows` windows
+    parts = [list(val_batches(tokens, seq, 10**6, micro, r, world)) for r in range(world)]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) >= 1
+    starts = sorted(int(x[0]) for p in parts for xs, _, pad in p if not pad for x in xs[:, 0:1])
+    assert starts == [i * seq for i in range(windows)]
 
 
 def test_text_and_token_files(tmp_path):

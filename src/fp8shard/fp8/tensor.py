@@ -39,11 +39,24 @@ class _Fp8Meta:
         self.transposes.clear()
 
 
-def _check_scale(scale: Any, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(scale, (int, float)):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
-    if not isinstance(scale, torch.Tensor):
+def _check_scale(scale: Any, x: torch.Tensor, check_device_value: bool = True) -> torch.Tensor:
+    """``scale`` as an fp32 0-d tensor on ``x``'s device, refused unless finite and > 0.
+
+    [Note: scale checks]
+        A scale of 0, a negative one or a non-finite one would store NaN bytes or a negative
+        or infinite ``scale_inv``, and every later use of the tensor would be silently wrong, so
+        the public entries refuse it with a ValueError naming ``scale``. A Python number and a
+        CPU tensor are checked on the host for free. Reading a CUDA tensor's value costs a host
+        sync: ``Float8Tensor.quantize`` (construction, off the hot path) pays it;
+        ``quantize_`` (in-place re-quantization, called every step by training code) does not
+        (``check_device_value=False``) -- a CUDA scale there is the caller's to keep valid, as
+        the scaling recipes do ([Note: scale]: a zero or non-finite amax keeps the previous scale).
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
         raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+    if isinstance(scale, (int, float)):
+        _check_scale_value(float(scale))
+        return torch.tensor(float(scale), dtype=torch.float32, device=x.device)
     if scale.numel() != 1:
         raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
     if scale.device != x.device:
@@ -51,10 +64,14 @@ def _check_scale(scale: Any, x: torch.Tensor) -> torch.Tensor:
             f"scale is on {scale.device} but the tensor is on {x.device}; move the scale with "
             f"scale.to({str(x.device)!r})"
         )
-    s = float(scale)
+    if scale.device.type == "cpu" or (check_device_value and scale.device.type != "meta"):
+        _check_scale_value(float(scale))
+    return scale.reshape(()).float()
+
+
+def _check_scale_value(s: float) -> None:
     if not (s > 0 and s != float("inf")):
         raise ValueError(f"scale must be finite and > 0, got {s}")
-    return scale.reshape(()).float()
 
 
 class Float8Tensor(torch.Tensor):
@@ -202,11 +219,14 @@ class Float8Tensor(torch.Tensor):
         """Overwrite the bytes and scale in place from high-precision ``x``.
 
         ``scale=None``: current scaling from ``amax(x)``, keeping the previous scale when that
-        amax is zero or non-finite. The tensor object, its storage and its scale tensor stay.
+        amax is zero or non-finite. A given ``scale`` (a number or a one-element tensor) must be
+        finite and > 0, else ValueError and nothing changes; a CUDA tensor's value is not
+        checked ([Note: scale checks]). The tensor object, its storage and its scale tensor stay.
         """
         if scale is None:  # [Note: fused cast]
             cast = quantize_current(x, self._fp8_format, prev_scale_inv=self._scale_inv, out=self._data)
-        else:
+        else:  # refused before any byte changes ([Note: scale checks]; no host sync for CUDA scales)
+            scale = _check_scale(scale, x, check_device_value=False)
             cast = quantize_with_scale(x, scale, self._fp8_format, out=self._data)
         self._scale_inv.copy_(cast.scale_inv)
         self._meta.bytes_changed()

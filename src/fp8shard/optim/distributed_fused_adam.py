@@ -136,8 +136,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not grad_dtype.is_floating_point or not state_dtype.is_floating_point:
             raise ValueError(f"grad_sync_dtype and state_dtype must be floating point, got "
                              f"{grad_dtype} and {state_dtype}")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < math.inf):
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+            raise ValueError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
         # Backward visits parameters roughly in reverse registration order: [Note: shard layout].
         order = reversed(list(enumerate(self._params)))
         specs = [ParamSpec(i, p.numel(), storage_dtype(p)) for i, p in order]
@@ -210,9 +212,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                "parameters: pass module=model or call opt.register_module(model)")
         self.param_sync.wait_all()  # the previous step's gathers, if overlap left them in flight
         grads = self._reduced_grads()  # 1. wait for the reduce-scatters
-        _, nonfinite = self._grad_stats()  # 2. one all-reduce: norm and non-finite count
-        self.last_step_skipped = nonfinite
-        if not nonfinite:
+        _, nonfinite, any_grad = self._grad_stats()  # 2. one all-reduce: norm, non-finite, any gradient
+        # [Note: step without gradients]: nothing to apply, so nothing changes (torch.optim skips
+        # parameters whose .grad is None; here the buckets are shared, so it is all or nothing).
+        self.last_step_skipped = nonfinite or not any_grad
+        if not self.last_step_skipped:
             self._step += 1
             self._update_master(grads)  # 3. Adam(W) on the fp32 master shard
             self._quantize_shards()  # 4. amax all-reduce, scales, cast my shards
@@ -249,27 +253,39 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._fused = FusedStep(self.regions, group_of, self.fp8.slot)
         return self._fused
 
-    def _grad_stats(self) -> tuple[torch.Tensor, bool]:
-        """(global sum of squares of the averaged gradient, whether it is non-finite).
+    def _grad_stats(self) -> tuple[torch.Tensor, bool, bool]:
+        """(global sum of squares of the averaged gradient, whether it is non-finite, whether
+        any rank accumulated a gradient since the last step or ``zero_grad``).
 
-        One pass and one 4-byte all-reduce: an inf or NaN anywhere makes the sum non-finite on
+        One pass and one 8-byte all-reduce: an inf or NaN anywhere makes the sum non-finite on
         every rank. (A gradient so large that its square overflows fp32, |g| > 1e19, counts as
-        non-finite too.)
+        non-finite too.) The second element counts the ranks that received a gradient.
+
+        [Note: step without gradients]
+            ``step()`` with no gradient accumulated on any rank since the last ``step()`` or
+            ``zero_grad()`` (no backward ran) is a no-op: no weight, master, moment or the step
+            count changes, and ``last_step_skipped`` is True. Applying it would decay the weights
+            (AdamW's decoupled decay does not need a gradient) and advance the bias correction.
+            torch.optim does the same per parameter: it skips those whose ``.grad`` is None. The
+            decision is global (the count rides on the all-reduce above), so ranks stay in step:
+            a rank without a gradient while others have one takes part with zeros, as in backward.
         """
         if self._stats is None:
             grads = self._reduced_grads()
-            local = torch.zeros(1, dtype=torch.float32, device=self.device)
+            local = torch.zeros(2, dtype=torch.float32, device=self.device)
+            local[1] = float(self.grad_sync.dirty)
             if self._fast:  # the shards in place, upcast inside the norm kernel
                 shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
                           for b in rb.layout.buckets]
                 norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
-                local += torch.stack(norms).square().sum()
+                local[0] += torch.stack(norms).square().sum()
             else:
                 for g in grads:
                     if g.numel():
-                        local += torch.linalg.vector_norm(g).square()
+                        local[0] += torch.linalg.vector_norm(g).square()
             self.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
-            self._stats = (local[0], not bool(torch.isfinite(local[0])))
+            finite, ranks_with_grads = local.tolist()  # one host sync for both
+            self._stats = (local[0], not math.isfinite(finite), ranks_with_grads > 0)
         return self._stats
 
     def _update_master(self, grads: list[torch.Tensor]) -> None:
@@ -346,9 +362,25 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
         Call after backward, before ``step()``. Returns the norm before clipping (as
         ``torch.nn.utils.clip_grad_norm_`` does); a non-finite norm clips nothing and makes
-        ``step()`` skip.
+        ``step()`` skip. ``max_norm`` is a number >= 0 (``inf``: measure only, clip nothing); a
+        negative one would turn descent into ascent and NaN would poison every gradient, so both
+        raise ValueError before anything changes. A CPU tensor is read as a number; a CUDA
+        tensor is taken as it is (checking its value would cost a host sync per step).
         """
-        sumsq, nonfinite = self._grad_stats()
+        if isinstance(max_norm, torch.Tensor):
+            if max_norm.numel() != 1:
+                raise ValueError(f"clip_grad_norm: max_norm must be one number, got shape "
+                                 f"{tuple(max_norm.shape)}")
+            if max_norm.device.type == "cpu":
+                max_norm = float(max_norm)
+        if not isinstance(max_norm, torch.Tensor):
+            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+                raise TypeError(f"clip_grad_norm: max_norm must be a number, got "
+                                f"{type(max_norm).__name__}")
+            if not max_norm >= 0:
+                raise ValueError(f"clip_grad_norm: max_norm must be >= 0 (inf: no clipping), got "
+                                 f"{max_norm}: a negative or NaN bound would flip or poison the gradients")
+        sumsq, nonfinite, _ = self._grad_stats()
         total = sumsq.sqrt()
         if not nonfinite:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -479,15 +511,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
 
 def _check_hparams(group: dict[str, Any]) -> None:
-    lr, (b1, b2), eps, wd = (group[k] for k in _HPARAMS)
+    lr, betas, eps, wd = (group[k] for k in _HPARAMS)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}; check the LR schedule")
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not wd >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {wd!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not (isinstance(eps, (int, float)) and 0.0 <= eps < math.inf):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not (isinstance(wd, (int, float)) and 0.0 <= wd < math.inf):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
 
 
 def _check_backend(group: Group, device: torch.device) -> None:

@@ -68,6 +68,10 @@ class TrainerConfig:
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
     checkpoint path (or a directory holding checkpoints) to start from."""
+    overwrite: bool = False
+    """With resume=never: start fresh in a run directory that holds an earlier run's checkpoints
+    (complete or not), deleting them, its metrics.jsonl and summary.json first; without it such
+    a directory is refused. docs/reliability.md."""
     max_consecutive_skips: int = 10
     """A step whose loss or gradients are not finite is skipped (nothing changes); after this
     many skipped steps in a row the run stops with an error (docs/reliability.md)."""
@@ -425,10 +429,18 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
     if not p.exists():
         presets = ", ".join(sorted(x.stem for x in PRESETS_DIR.glob("*.yaml")))
         raise ConfigError(f"config: no such file {str(path)!r} (shipped presets: {presets})")
+    if p.is_dir():
+        raise ConfigError(f"config: {p} is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+        raise ConfigError(f"config: {p} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {p} must hold a mapping of sections, got {type(data).__name__}")
     for key, value in _flatten(data):

@@ -20,22 +20,142 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
 
 from fp8shard.train.config import ConfigError, DataConfig
+from fp8shard.train.faults import TrainingFailure
+
+
+class DataFileChanged(TrainingFailure):
+    """The token file was truncated, replaced or rewritten while the run read it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, every_rank=True)
+
+
+class TokenFile:
+    """A token file read with ``os.pread``, never memory-mapped.
+
+    [Note: token file reads]
+        A memory map of a file that another process truncates turns the next read of a page
+        past the new end into SIGBUS, which kills the process with no message. So the file is
+        opened once and every window is read with ``pread`` into a small array: a read past the
+        end comes back short and becomes :class:`DataFileChanged`. Each optimizer step and each
+        validation pass also compares the path's ``stat`` (device, inode, size, mtime) with what
+        it was at start-up (one system call), so a file replaced (renamed over: the open file
+        still reads the old bytes) or rewritten in place is reported too, at the next step,
+        instead of silently mixing two data sets. The run stops with one line on every rank
+        that sees it and exit status 1 (docs/reliability.md).
+    """
+
+    def __init__(self, path: str, dtype: np.dtype) -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ConfigError(f"data.path: cannot read {path}: {e.strerror or e}") from None
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.nbytes = st.st_size
+        self.length = st.st_size // self.dtype.itemsize
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` as an array of the file's dtype."""
+        n = (stop - start) * self.dtype.itemsize
+        if n <= 0:
+            return np.empty(0, dtype=self.dtype)
+        if self.fd is None:
+            raise ValueError(f"{self.path} was closed")
+        buf = os.pread(self.fd, n, start * self.dtype.itemsize)
+        if len(buf) != n:
+            self.check()  # says how the file changed
+            raise DataFileChanged(self._message(f"a read at byte {start * self.dtype.itemsize} came back "
+                                                f"short: the file is shorter than the {self.nbytes} bytes "
+                                                "it had at start-up"))
+        return np.frombuffer(buf, dtype=self.dtype)
+
+    def check(self) -> None:
+        """Raise DataFileChanged if the path no longer names the file, as it was, that was opened."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise DataFileChanged(self._message(f"it can no longer be read ({e.strerror or e})")) from None
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if now == self.ident:
+            return
+        if now[:2] != self.ident[:2]:
+            what = "it was replaced by another file"
+        elif now[2] != self.ident[2]:
+            what = f"its size went from {self.ident[2]} to {now[2]} bytes"
+        else:
+            what = "it was rewritten (its modification time changed)"
+        raise DataFileChanged(self._message(what))
+
+    def _message(self, what: str) -> str:
+        return (f"data.path: {self.path} changed while the run was reading it: {what}; stopping rather "
+                "than training on other data (checkpoints written so far are kept: restore the file and "
+                "run the same command to resume)")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class TokenSlice:
+    """A contiguous range of a :class:`TokenFile` that reads like a 1-D array (``len``, slices)."""
+
+    def __init__(self, file: TokenFile, start: int = 0, stop: int | None = None) -> None:
+        self.file, self.start = file, start
+        self.stop = file.length if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.file.dtype
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """The tokens of a contiguous slice, read from the file."""
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a TokenSlice takes contiguous slices only")
+        lo, hi, _ = key.indices(len(self))
+        return self.file.read(self.start + lo, self.start + max(hi, lo))
+
+    def sub(self, lo: int, hi: int) -> TokenSlice:
+        """Elements ``[lo, hi)`` of this range, as a range (nothing is read)."""
+        return TokenSlice(self.file, self.start + lo, self.start + hi)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.file.read(self.start, self.stop)
+        return a if dtype is None else a.astype(dtype)
+
+    def check(self) -> None:
+        self.file.check()
+
+
+Tokens = Union[np.ndarray, TokenSlice]  # noqa: UP007 -- a runtime alias (Python 3.10)
+
+
+def check_tokens(tokens: Tokens) -> None:
+    """For a token file: raise DataFileChanged if it changed since start-up ([Note: token file reads])."""
+    if isinstance(tokens, TokenSlice):
+        tokens.check()
 
 
 @dataclasses.dataclass
 class TokenData:
-    """Training and validation token streams (1-D integer arrays, possibly memory-mapped)."""
+    """Training and validation token streams (1-D integer arrays, or ranges of a token file)."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: Tokens
+    val: Tokens
     vocab_size: int
     description: str
     entropy_floor: float | None = None
@@ -112,11 +232,14 @@ def markov_data(cfg: DataConfig) -> TokenData:
 
 
 # ---------------------------------------------------------------------------- files
-def _split(tokens: np.ndarray, val_fraction: float, seq_len: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-    n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
-    if len(tokens) - n_val < seq_len + 1:
-        raise ConfigError(f"data.path: {what} has {len(tokens)} tokens, too few for a train/validation "
+def _split(tokens: Tokens, val_fraction: float, seq_len: int, what: str) -> tuple[Tokens, Tokens]:
+    n = len(tokens)
+    n_val = max(int(n * val_fraction), seq_len + 1)
+    if n - n_val < seq_len + 1:
+        raise ConfigError(f"data.path: {what} has {n} tokens, too few for a train/validation "
                           f"split with model.encoder_seq_length={seq_len}")
+    if isinstance(tokens, TokenSlice):
+        return tokens.sub(0, n - n_val), tokens.sub(n - n_val, n)
     return tokens[:-n_val], tokens[-n_val:]
 
 
@@ -130,6 +253,14 @@ def _nonempty(path: str) -> int:
 def text_data(cfg: DataConfig, seq_len: int) -> TokenData:
     assert cfg.path is not None
     _nonempty(cfg.path)
+    try:
+        return _text_data(cfg, seq_len)
+    except OSError as e:
+        raise ConfigError(f"data.path: cannot read {cfg.path}: {e.strerror or e}") from None
+
+
+def _text_data(cfg: DataConfig, seq_len: int) -> TokenData:
+    assert cfg.path is not None
     if cfg.tokenizer in (None, "bytes"):
         tokens = np.fromfile(cfg.path, dtype=np.uint8)  # byte-level: vocab 256
         vocab, how = 256, "bytes"
@@ -164,8 +295,19 @@ def token_file_data(cfg: DataConfig, seq_len: int) -> TokenData:
         raise ConfigError(f"data.path: {cfg.path} has {size} bytes, not a whole number of "
                           f"{cfg.token_dtype} token ids ({dtype.itemsize} bytes each): a text file needs "
                           "data.source=text, another element type data.token_dtype")
-    tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
-    top = int(max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24)))
+    file = TokenFile(cfg.path, dtype)  # [Note: token file reads]: no memory map, no SIGBUS
+    try:
+        return _token_file_data(cfg, seq_len, file)
+    except BaseException:
+        file.close()
+        raise
+
+
+def _token_file_data(cfg: DataConfig, seq_len: int, file: TokenFile) -> TokenData:
+    assert cfg.path is not None
+    tokens = TokenSlice(file)
+    chunk = 1 << 22
+    top = max(int(file.read(i, min(i + chunk, file.length)).max()) for i in range(0, file.length, chunk))
     vocab = cfg.vocab_size or top + 1
     if top >= vocab:
         raise ConfigError(f"data.path: {cfg.path} holds token id {top}, beyond the vocabulary "
@@ -190,7 +332,7 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
 
 
 # ---------------------------------------------------------------------------- batches
-def _window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
+def _window(tokens: Tokens, index: int, seq_len: int) -> np.ndarray:
     start = index * seq_len
     return np.asarray(tokens[start:start + seq_len + 1], dtype=np.int64)
 
@@ -203,7 +345,7 @@ def _to_batch(windows: list[np.ndarray], device: torch.device) -> tuple[torch.Te
 class BatchLoader:
     """This rank's micro-batches of each global batch; see [Note: global batches]."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, tokens: Tokens, seq_len: int, global_batch_size: int, micro_batch_size: int,
                  rank: int, world_size: int, seed: int, device: torch.device | str = "cpu") -> None:
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -234,6 +376,7 @@ class BatchLoader:
 
     def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches ``[(inputs, targets)]`` of the next global batch."""
+        check_tokens(self.tokens)  # a token file changed under the run: an error, not other data
         g0 = self.consumed_samples + self.rank * self.per_rank
         windows = [_window(self.tokens, self.sample_window(g0 + j), self.seq_len)
                    for j in range(self.per_rank)]
@@ -251,19 +394,32 @@ class BatchLoader:
         self.consumed_samples = int(sd["consumed_samples"])
 
 
-def val_batches(tokens: np.ndarray, seq_len: int, num_windows: int, micro_batch_size: int,
+def val_batches(tokens: Tokens, seq_len: int, num_windows: int, micro_batch_size: int,
                 rank: int, world_size: int, device: torch.device | str = "cpu"
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of the first ``num_windows`` validation windows, in micro-batches.
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """This rank's share of the first ``num_windows`` validation windows: ``(inputs, targets,
+    padding)`` per forward.
 
-    Window i goes to rank ``i * world_size // num_windows``-th contiguous slice; callers pass a
-    ``num_windows`` divisible by ``world_size x micro_batch_size`` so every rank runs the same
-    number of forwards (collectives inside the forward stay matched).
+    [Note: validation split]
+        The windows (at most as many as the stream holds) are cut into ``world_size``
+        contiguous slices whose sizes differ by at most one, so every window is evaluated once
+        and the set is the same at any world size. Every rank runs the same number of forwards
+        (collectives inside the forward, the FP8 amax reduction, must stay matched): as many as
+        the largest slice needs; a rank whose slice runs out first evaluates window 0 as
+        ``padding``, which the caller leaves out of the mean. So with fewer windows than ranks
+        each rank still runs a forward, and the mean covers exactly the windows there are.
     """
     available = (len(tokens) - 1) // seq_len
-    num_windows = min(num_windows, available)
-    per_rank = num_windows // world_size
-    first = rank * per_rank
-    for i in range(first, first + per_rank, micro_batch_size):
-        idx = range(i, min(i + micro_batch_size, first + per_rank))
-        yield _to_batch([_window(tokens, j, seq_len) for j in idx], torch.device(device))
+    n = min(num_windows, available)
+    if n < 1:
+        raise ValueError(f"{len(tokens)} validation tokens hold no window of {seq_len + 1}")
+    check_tokens(tokens)
+    first, last = rank * n // world_size, (rank + 1) * n // world_size
+    largest = -(-n // world_size)  # ceil(n / W)
+    forwards = -(-largest // micro_batch_size)
+    dev = torch.device(device)
+    for k in range(forwards):
+        idx = range(first + k * micro_batch_size, min(first + (k + 1) * micro_batch_size, last))
+        padding = len(idx) == 0
+        x, y = _to_batch([_window(tokens, j, seq_len) for j in (idx if not padding else [0])], dev)
+        yield x, y, padding

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,6 +51,7 @@ from fp8shard.checkpoint import (
 from fp8shard.checkpoint.io import MANIFEST, MAX_STEP, verify_files
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
 from fp8shard.nn.overflow import OverflowMonitor
+from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
     build_model,
     build_optimizer,
@@ -61,10 +64,11 @@ from fp8shard.train.builders import (
     params_dtype,
 )
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
-from fp8shard.train.data import BatchLoader, TokenData, load_data, val_batches
+from fp8shard.train.data import BatchLoader, TokenData, TokenSlice, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
+from fp8shard.train.rundir import RunDirInUse, RunDirLock, remove_partial_files
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -104,23 +108,64 @@ def _delayed_scaling_untouched(model: nn.Module) -> Any:
             getattr(m, name).copy_(value)
 
 
+def incomplete_checkpoints(root: Path, complete: list[Path]) -> list[Path]:
+    """Checkpoint step directories under ``root`` that are not complete (no valid manifest)."""
+    if not root.is_dir():
+        return []
+    done = {p.name for p in complete}
+    return sorted(p for p in root.iterdir()
+                  if p.name.startswith("step_") and p.is_dir() and p.name not in done)
+
+
+def _names(paths: list[Path], most: int = 3) -> str:
+    shown = ", ".join(p.name for p in paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
 def resume_candidates(cfg: Config, root: Path) -> list[Path]:
-    """Checkpoints to resume from, in order of preference, per ``trainer.resume``."""
+    """Checkpoints to resume from, in order of preference, per ``trainer.resume``.
+
+    A run directory holding an earlier run's checkpoints -- complete ones, or only step
+    directories whose manifest is missing -- is never started over silently: ``auto``
+    continues the newest complete one and refuses when there is none; ``never`` (or a
+    checkpoint elsewhere) refuses unless ``trainer.overwrite=true``, whose deletion happens
+    in ``Trainer.__init__`` once every start-up check has passed.
+    """
     mode = cfg.trainer.resume
     if isinstance(mode, bool):
         mode = "auto" if mode else "never"
     found = list_checkpoints(root)
+    partial = incomplete_checkpoints(root, found)
     if mode == "auto":
+        if not found and partial:
+            raise ConfigError(
+                f"trainer.resume=auto: {root} holds {len(partial)} checkpoint director"
+                f"{'y' if len(partial) == 1 else 'ies'} ({_names(partial)}) but none is complete (no "
+                "valid manifest.json), so there is nothing to resume, and starting fresh would overwrite "
+                "them and the run's metrics: move them away, use another exp_manager.name, or start over "
+                "with trainer.resume=never trainer.overwrite=true (deletes them)")
         return found  # newest first; a damaged one falls back to the next
     try:
         chosen = [] if mode == "never" else [resolve_checkpoint(mode)]
     except CheckpointError as e:
         raise ConfigError(f"trainer.resume: {e}") from None
-    if found and not (chosen and chosen[0].parent.resolve() == root.resolve()):
+    inside = bool(chosen) and chosen[0].parent.resolve() == root.resolve()
+    if cfg.trainer.overwrite:
+        if inside:
+            raise ConfigError(f"trainer.overwrite=true would delete {chosen[0]}, the checkpoint "
+                              "trainer.resume names: copy it elsewhere first, or drop trainer.overwrite")
+        return chosen
+    if found and not inside:
         # Saving a new lineage beside them would mix the two (auto-resume, keep_last pruning).
         raise ConfigError(f"trainer.resume={mode} but {root} holds checkpoints of an earlier run "
-                          f"(newest: {found[0].name}); continue them with trainer.resume=auto, or "
+                          f"(newest: {found[0].name}); continue them with trainer.resume=auto, "
+                          "start over with trainer.resume=never trainer.overwrite=true (deletes them), or "
                           "use another exp_manager.name")
+    if partial and not inside:
+        raise ConfigError(f"trainer.resume={mode} but {root} holds incomplete checkpoint directories of an "
+                          f"earlier run ({_names(partial)}; no valid manifest.json) that this run would "
+                          "overwrite: move them away, use another exp_manager.name, or set "
+                          "trainer.overwrite=true (deletes them)")
     return chosen
 
 
@@ -154,18 +199,98 @@ def check_extra(extra: dict[str, Any], world_size: int, ck: Path) -> None:
                   "rank) and steps (an integer >= 0)")
 
 
+DATA_KEYS = ("data.source", "data.token_dtype", "data.markov_order", "data.markov_classes",
+             "data.markov_spread", "data.markov_concentration", "data.num_train_tokens",
+             "data.num_val_tokens", "data.val_fraction", "data.seed", "model.encoder_seq_length")
+"""Keys that change which tokens a step reads: resuming with another value is refused (the
+checkpoint's data position would point into other data). data.path and data.tokenizer may
+change (a moved file); the number of tokens they give is compared instead. data.vocab_size is
+checked by the model's shapes."""
+
+
+def data_mismatch(saved: dict[str, Any], cfg: Config, tokens: dict[str, int] | None,
+                  saved_tokens: dict[str, int] | None) -> str | None:
+    """Why a checkpoint saved with config ``saved`` cannot continue on ``cfg``'s data, or None."""
+    now = to_dict(cfg)
+    markov = cfg.data.source == "markov"
+    for key in DATA_KEYS:
+        if key.startswith("data.markov_") or key.startswith("data.num_"):
+            if not markov:
+                continue
+        elif key == "data.val_fraction" and markov:
+            continue
+        section, name = key.split(".")
+        if section not in saved or name not in saved[section]:
+            continue
+        old, new = saved[section][name], now[section][name]
+        if old != new:
+            return (f"{key}={new!r} but the checkpoint was trained with {key}={old!r}: its data position "
+                    f"would point into other data; resume with {key}={old!r}, or start a new run "
+                    "(another exp_manager.name)")
+    if tokens and saved_tokens and tokens != saved_tokens:
+        return (f"data.path: {cfg.data.path} gives {tokens['train']} training and {tokens['val']} validation "
+                f"tokens, the checkpoint was trained on {saved_tokens['train']} and {saved_tokens['val']}: "
+                "other data; resume with the same file, or start a new run")
+    return None
+
+
 class Trainer:
-    """Everything one run holds; ``fit()`` trains and returns the summary."""
+    """Everything one run holds; ``fit()`` trains and returns the summary; ``close()`` releases
+    the run directory (its lock, [Note: run directory lock]) -- the process's exit does too."""
 
     def __init__(self, cfg: Config, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
-        t, m = cfg.trainer, cfg.model
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.step = 0
+        self.lock = self._lock_run_dir()  # [Note: run directory lock]: before anything is read or written
+        try:
+            self._start()
+        except BaseException:
+            # A refused start leaves nothing behind: the lock file and the directories it made go
+            # (and nothing else is touched: leftovers of earlier runs stay as they were).
+            self.close(remove_created=True)
+            raise
+
+    def _lock_run_dir(self) -> RunDirLock | None:
+        """Rank 0 takes the run directory's lock; every rank learns the outcome (one broadcast)."""
+        lock = RunDirLock(self.run_dir) if self.env.is_main else None
+        why: str | None = None
+        if lock is not None:
+            try:
+                why = lock.acquire()
+            except OSError as e:
+                why = f"cannot lock {lock.path}: {e.strerror or e}"
+        if self.env.group is not None:
+            box = [why]
+            dist.broadcast_object_list(box, src=0, group=self.env.group)
+            why = box[0]
+        if why is not None:
+            raise RunDirInUse(why)
+        return lock
+
+    def close(self, remove_created: bool = False) -> None:
+        """Release the run directory (rank 0): remove what an interrupted save or write left
+        (``remove_created``, a refused start: only this process's own temporary files, and the
+        directories taking the lock created), then the lock. Idempotent."""
+        if self.env.is_main:  # first, while the lock is still held: nothing else writes here
+            remove_partial_files(self.run_dir, self.ckpt_root, own_only=remove_created)
+        if self.lock is not None:
+            self.lock.release(remove_created=remove_created)
+        data = getattr(self, "data", None)
+        if data is not None:
+            for tokens in (data.train, data.val):
+                if isinstance(tokens, TokenSlice):
+                    tokens.file.close()
+
+    def _start(self) -> None:
+        cfg, env = self.cfg, self.env
+        t, m = cfg.trainer, cfg.model
         candidates = resume_candidates(cfg, self.ckpt_root)
         self.compute = configure_compute(cfg, env)
         self.data: TokenData = load_data(cfg.data, m.encoder_seq_length)
         self.bpb_factor = val_bpb_factor(cfg, self.data.val, env.world_size)  # text runs: bits per byte
+        check_memory(cfg, env.world_size, vocab_size=self.data.vocab_size)  # the vocabulary is known now
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.opt, self.forward_module = build_optimizer(cfg, self.model, env)
@@ -176,7 +301,6 @@ class Trainer:
         self.is_dfa = cfg.model.optim.name == "distributed_fused_adam"
         self.memory: dict[str, int] = {}
         self.comm: dict[str, int] = {}
-        self.step = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.save_errors = 0  # failed checkpoint saves (checkpoint.on_save_error=continue)
@@ -194,6 +318,8 @@ class Trainer:
         self.resumed_from = self._resume(candidates, notes) if candidates else None
         if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
             compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope)
+        if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
+            notes.extend(self._delete_earlier_run())
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
         inside = self.resumed_from is not None and \
             self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
@@ -207,9 +333,43 @@ class Trainer:
             self.rec.say(note)
 
     # ------------------------------------------------------------------ checkpoints
+    def _delete_earlier_run(self) -> list[str]:
+        """trainer.overwrite=true: remove the run directory's checkpoints, metrics and summary."""
+        gone = []
+        if self.ckpt_root.exists():
+            trash = self.run_dir / f".trash-checkpoints-{os.getpid()}"
+            self.ckpt_root.rename(trash)  # one rename: no half-deleted checkpoint is ever visible
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append("checkpoints/")
+        for name in ("metrics.jsonl", "summary.json"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / name).unlink()
+                gone.append(name)
+        if not gone:
+            return []
+        return [f"trainer.overwrite=true: deleted the earlier run's {', '.join(gone)} in {self.run_dir}"]
+
+    def _data_tokens(self) -> dict[str, int]:
+        return {"train": len(self.data.train), "val": len(self.data.val)}
+
+    def _check_same_data(self, path: Path) -> None:
+        """Refuse a checkpoint trained on other data (another seed, sequence length, file)."""
+        try:
+            extra = read_manifest(path).get("extra") or {}
+        except (CheckpointError, OSError):
+            return  # load_checkpoint says what is wrong with it
+        saved = extra.get("config")
+        if not isinstance(saved, dict):
+            return  # saved by the library directly: nothing to compare
+        tokens = self._data_tokens() if self.cfg.data.source != "markov" else None
+        why = data_mismatch(saved, self.cfg, tokens, extra.get("data_tokens"))
+        if why is not None:
+            raise ConfigError(f"trainer.resume: {path}: {why}")
+
     def _resume(self, candidates: list[Path], notes: list[str]) -> Path:
         """Load the first loadable candidate (a damaged newest one falls back to the previous)."""
         for i, path in enumerate(candidates):
+            self._check_same_data(path)
             try:
                 info = load_checkpoint(path, self.model, self.opt, process_group=self.env.group)
             except CheckpointFormatError as e:
@@ -234,7 +394,7 @@ class Trainer:
             if "data" in extra:
                 try:
                     self.loader.load_state_dict(extra["data"])
-                except ValueError as e:
+                except (ValueError, KeyError, TypeError) as e:
                     raise ConfigError(f"trainer.resume: {path}: {e}") from None
             else:
                 self.loader.consumed_samples = self.step * self.cfg.model.global_batch_size
@@ -267,7 +427,8 @@ class Trainer:
             dist.all_gather_object(sums, self.window[0], group=self.env.group)
         extra = {"step": self.step, "data": self.loader.state_dict(), "lr_schedule": self._schedule_state(),
                  "log_window": {"loss_sums": sums, "steps": self.window[1]},
-                 "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg)}
+                 "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg),
+                 "data_tokens": self._data_tokens()}
         with self.faults.save_fault(self.step, self.env.rank):  # FP8SHARD_INJECT_SAVE_ERROR_STEPS
             return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
                                    step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
@@ -414,16 +575,19 @@ class Trainer:
         total = count = 0.0
         with _delayed_scaling_untouched(self.model):
             self.model.eval()
-            for x, y in val_batches(self.data.val, m.encoder_seq_length, n, m.micro_batch_size,
-                                    env.rank, env.world_size, env.device):
+            # [Note: validation split]: the same number of forwards on every rank; a rank past
+            # the end of its share runs a padding forward that does not count.
+            for x, y, padding in val_batches(self.data.val, m.encoder_seq_length, n, m.micro_batch_size,
+                                             env.rank, env.world_size, env.device):
                 with self._forward_ctx():
                     loss = self.model(x, y)
-                total += float(loss) * y.numel()
-                count += y.numel()
+                if not padding:
+                    total += float(loss) * y.numel()
+                    count += y.numel()
             self.model.train()
         self._report_overflows(f"validation after step {self.step}")
         total, count = all_reduce_sum([total, count], env)
-        return total / max(count, 1.0)
+        return total / count if count else float("nan")
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, Any]:

@@ -112,9 +112,13 @@ class RunRecorder:
                                 kept.append(line + "\n")
                         except (ValueError, KeyError, TypeError):
                             break  # a line cut by a crash ends what can be kept
-                self._file = path.open("w")
-                self._file.writelines(kept)
-                self._file.flush()
+                # The kept records go to a new file renamed over the old one, so a signal or a
+                # crash here leaves the old file whole, never one cut short ([Note: signals]).
+                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+                with tmp.open("w") as f:
+                    f.writelines(kept)
+                os.replace(tmp, path)
+                self._file = path.open("a")
 
     @staticmethod
     @contextlib.contextmanager

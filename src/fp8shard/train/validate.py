@@ -6,11 +6,57 @@ valid. Types and choices were already checked while the config was read (config.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from fp8shard.train.config import Config, ConfigError
+
+SEED_LIMIT = 2**32
+"""Seeds lie in [0, 2**32): NumPy refuses negative seeds and torch's wrap above 2**64."""
+TIMEOUT_LIMIT_S = 365 * 86400.0
+"""trainer.collective_timeout_s at most a year (a datetime.timedelta of the process group)."""
+MARGIN_LIMIT = 32
+"""model.fp8_margin below 32: 2**-32 takes even the amax below the smallest FP8 value of E5M2."""
+PATH_ROOM = 64
+"""Bytes the run appends to its run directory's path (checkpoints/.tmp-step_00000000/__0_0.distcp ...)."""
+
+
+def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of the config tree."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value
+
+
+def _finite(cfg: Config) -> None:
+    """Every number is finite: YAML reads .nan and .inf, and no key means anything by them."""
+    for key, value in _leaves(cfg):
+        for i, v in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(v, float) and not math.isfinite(v):
+                where = f"{key}[{i}]" if isinstance(value, list) else key
+                raise ConfigError(f"{where} must be a finite number, got {v}")
+
+
+def _bounded(cfg: Config) -> None:
+    """Upper bounds that do not come from memory (those are in budget.py)."""
+    for key, value in (("model.seed", cfg.model.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= value < SEED_LIMIT:
+            raise ConfigError(f"{key} must be in [0, 2**32), got {value}")
+    if cfg.trainer.collective_timeout_s > TIMEOUT_LIMIT_S:
+        raise ConfigError(f"trainer.collective_timeout_s must be at most {TIMEOUT_LIMIT_S:.0f} (a year), "
+                          f"got {cfg.trainer.collective_timeout_s:g}")
+    if cfg.model.fp8_margin >= MARGIN_LIMIT:
+        raise ConfigError(f"model.fp8_margin must be < {MARGIN_LIMIT}, got {cfg.model.fp8_margin}: a scale "
+                          f"of 2**-{MARGIN_LIMIT} rounds even the largest value to zero in every FP8 format")
 
 
 def _positive(cfg: Config) -> None:
@@ -34,7 +80,7 @@ def _positive(cfg: Config) -> None:
         ("model.init_method_std", cfg.model.init_method_std),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
     ]:
-        if value <= 0:
+        if not value > 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
     if cfg.trainer.num_threads != "auto" and cfg.trainer.num_threads <= 0:
         raise ConfigError(f"trainer.num_threads must be auto or > 0, got {cfg.trainer.num_threads}")
@@ -48,7 +94,7 @@ def _positive(cfg: Config) -> None:
         ("model.max_position_embeddings", cfg.model.max_position_embeddings),
         ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps),
     ]:
-        if value < 0:
+        if not value >= 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     factor = cfg.trainer.fp8_overflow_factor
     if factor != 0 and not factor >= 1:
@@ -124,15 +170,13 @@ def _data(cfg: Config) -> None:
     if d.source in ("text", "tokens"):
         if not d.path:
             raise ConfigError(f"data.source={d.source} needs data.path (the file to read)")
-        if not os.path.isfile(d.path):
-            raise ConfigError(f"data.path: no such file {d.path!r}")
+        _readable_file("data.path", d.path)
     if d.tokenizer is not None:
         if d.source not in ("text", "tokens"):
             raise ConfigError("data.tokenizer is only used with data.source=text or data.source=tokens "
                               "(the generated corpus has no text)")
         if d.tokenizer != "bytes":
-            if not os.path.isfile(d.tokenizer):
-                raise ConfigError(f"data.tokenizer: no such file {d.tokenizer!r}")
+            _readable_file("data.tokenizer", d.tokenizer)
             from fp8shard.data.tokenizer import BPETokenizer, TokenizerError
 
             try:
@@ -145,6 +189,10 @@ def _data(cfg: Config) -> None:
         for key, value in (("data.markov_order", d.markov_order), ("data.markov_classes", d.markov_classes)):
             if value < 1:
                 raise ConfigError(f"{key} must be >= 1, got {value}")
+        if d.markov_order > cfg.model.encoder_seq_length:
+            raise ConfigError(f"data.markov_order ({d.markov_order}) must be <= model.encoder_seq_length "
+                              f"({cfg.model.encoder_seq_length}): a dependency longer than a training "
+                              "sequence cannot be learned")
         if not 0 <= 2 * d.markov_spread + 1 <= d.vocab_size:
             raise ConfigError(f"data.markov_spread must be in [0, (data.vocab_size - 1) / 2], "
                               f"got {d.markov_spread}")
@@ -160,11 +208,25 @@ def _data(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 
 
+def _readable_file(key: str, path: str) -> None:
+    if os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is a directory, not a file")
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: no such file {path!r}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: {path!r} is not a regular file (a device, pipe or socket)")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{key}: {path!r} is not readable (permission denied)")
+
+
 def _checkpoint(cfg: Config) -> None:
     resume = cfg.trainer.resume
     if not isinstance(resume, bool) and resume not in ("auto", "never") and not os.path.isdir(resume):
         raise ConfigError(f"trainer.resume: {resume!r} is neither auto, never, nor an existing checkpoint "
                           "directory (or a directory holding checkpoints)")
+    if cfg.trainer.overwrite and resume in (True, "auto"):
+        raise ConfigError("trainer.overwrite=true needs trainer.resume=never: with resume=auto the run "
+                          "would delete the checkpoints it continues from")
     horizon = cfg.model.optim.sched.max_steps
     if horizon and horizon < cfg.trainer.max_steps:
         raise ConfigError(f"model.optim.sched.max_steps ({horizon}) must be 0 or >= trainer.max_steps "
@@ -183,11 +245,51 @@ def _run_dir(cfg: Config) -> None:
             "goes inside it; to put runs elsewhere set exp_manager.exp_dir")
     if not cfg.exp_manager.exp_dir.strip():
         raise ConfigError("exp_manager.exp_dir must not be empty (use . for the current directory)")
+    if "\0" in cfg.exp_manager.exp_dir:
+        raise ConfigError("exp_manager.exp_dir must not hold a NUL character")
+    run_dir = Path(cfg.exp_manager.exp_dir).absolute() / name
+    existing = run_dir
+    while not _exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    name_max = _pathconf(existing, "PC_NAME_MAX", 255)
+    for part in run_dir.parts[1:]:
+        if len(os.fsencode(part)) > name_max:
+            which = "exp_manager.name" if part == name else "a directory name in exp_manager.exp_dir"
+            raise ConfigError(f"{which} is {len(os.fsencode(part))} bytes long ({part[:40]}...); the file "
+                              f"system allows at most {name_max} bytes per name")
+    path_max = _pathconf(existing, "PC_PATH_MAX", 4096)
+    if len(os.fsencode(str(run_dir))) + PATH_ROOM > path_max:
+        raise ConfigError(f"exp_manager.exp_dir/exp_manager.name: the run directory's path is "
+                          f"{len(os.fsencode(str(run_dir)))} bytes; with the {PATH_ROOM} bytes the run "
+                          f"appends inside it (checkpoints/...) it exceeds the system's limit of {path_max}")
+    if existing != run_dir or _exists(run_dir):
+        if not existing.is_dir():
+            key = "exp_manager.exp_dir/exp_manager.name" if existing == run_dir else "exp_manager.exp_dir"
+            raise ConfigError(f"{key}: {existing} exists and is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"exp_manager.exp_dir: {existing} is not writable (permission denied or a "
+                              "read-only file system)")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name or path too long for the file system: it does not exist
+        return False
+
+
+def _pathconf(path: Path, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(path if path.is_dir() else path.parent, name))
+    except (OSError, ValueError):
+        return default
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first problem found in ``cfg`` run on ``world_size`` ranks."""
+    _finite(cfg)
     _positive(cfg)
+    _bounded(cfg)
     _devices(cfg, world_size)
     _batch(cfg, world_size)
     _shape(cfg)
@@ -196,3 +298,6 @@ def validate(cfg: Config, world_size: int) -> None:
     _data(cfg)
     _checkpoint(cfg)
     _run_dir(cfg)
+    from fp8shard.train.budget import check_memory
+
+    check_memory(cfg, world_size)  # last: it needs the shapes checked above
