@@ -225,7 +225,7 @@ CASES = [
     Case(
         "tokens-missing-file", ["data.source=tokens", "data.path={tmp}/nope.bin"], "data.path: no such file"
     ),
-    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "is a directory, not a file"),
+    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "no such file"),  # a directory: its prepared tokens.bin is looked for
     Case(
         "tokens-empty-file",
         ["data.source=tokens", "data.path={tmp}/empty.bin"],
@@ -377,7 +377,7 @@ CASES = [
         ("optimizer-lr-string", _manifest(_set(_group0, "lr", "fast")),
          "optimizer.param_groups[0].lr is fast, which cannot replace"),
         ("optimizer-betas-out-of-range", _manifest(_set(_group0, "betas", [2.0, 0.9])),
-         "optimizer.param_groups[0] is invalid: betas must lie in [0, 1)"),
+         "optimizer.param_groups[0] is invalid: betas must be two numbers in [0, 1)"),
         ("extra-step-negative", _manifest(_set("extra", "step", -5)), "field extra.step must be an integer"),
         ("extra-log-window-short", _manifest(_set("extra", "log_window", "loss_sums", [])),
          "field extra.log_window must be an object with loss_sums (1 numbers"),
