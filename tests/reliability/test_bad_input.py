@@ -225,7 +225,8 @@ CASES = [
     Case(
         "tokens-missing-file", ["data.source=tokens", "data.path={tmp}/nope.bin"], "data.path: no such file"
     ),
-    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "no such file"),  # a directory: its prepared tokens.bin is looked for
+    # A directory: its prepared tokens.bin is looked for.
+    Case("tokens-path-is-dir", ["data.source=tokens", "data.path={tmp}"], "no such file"),
     Case(
         "tokens-empty-file",
         ["data.source=tokens", "data.path={tmp}/empty.bin"],
