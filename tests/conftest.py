@@ -51,3 +51,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda_device():
     return torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _fp8_gemm_setting():
+    """Each test starts on the default FP8 GEMM setting: an in-process training run settles it
+    process-wide (``configure_compute``), which must not leak into the next test."""
+    from fp8shard.fp8 import gemm
+
+    gemm.set_fp8_gemm("auto")
+    yield
+    gemm.set_fp8_gemm("auto")

@@ -110,7 +110,7 @@ def evaluate(pre: Pretrained, tokens: np.ndarray, num_windows: int, precision: s
         ctx = None
     mb = micro_batch_size or pre.config.model.micro_batch_size
     total = count = 0.0
-    for x, y in val_batches(tokens, seq, n, mb, 0, 1, device):
+    for x, y, _ in val_batches(tokens, seq, n, mb, 0, 1, device):  # one rank: no padding
         if ctx is None:
             loss = model(x, y)
         else:

@@ -97,8 +97,10 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
         # its own reference run, run on one thread. pytest's tmp_path is private to root: the
         # run goes in a folder nobody may write in.
         torch.set_num_threads(1)
+        # The command would set the CPU count, and measure its GEMM path in each process, otherwise.
+        one_thread = ["trainer.num_threads=1", "model.fp8_gemm=emulated"]
         reference = tmp_path / "ref1" / "run"
-        assert main(run_args(reference, *ARGS)) == 0
+        assert main(run_args(reference, *ARGS, *one_thread)) == 0
         tmp_path = Path(tempfile.mkdtemp(prefix="fp8shard-ro-"))
         os.chown(tmp_path, NOBODY, NOBODY)
     run = tmp_path / "run"
@@ -116,12 +118,13 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
     if how == "inject-enospc":
         monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "4")
     try:
-        code, out, err = _main_captured(run_args(run, *ARGS), as_nobody)
+        code, out, err = _main_captured(run_args(run, *ARGS, *(one_thread if as_nobody else [])), as_nobody)
     finally:
         if root.exists():
             os.chmod(root, 0o755)
     try:
-        _check_failed_save(how, run, code, out, err, monkeypatch, save, reference)
+        _check_failed_save(how, run, code, out, err, monkeypatch, save, reference,
+                           one_thread if as_nobody else [])
     finally:
         if as_nobody:
             torch.set_num_threads(threads)
@@ -129,7 +132,7 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
 
 
 def _check_failed_save(how: str, run: Path, code: int, out: str, err: str, monkeypatch, save,
-                       reference: Path) -> None:
+                       reference: Path, extra: list[str]) -> None:
     root = run / "checkpoints"
     assert code == 1, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in out
@@ -153,7 +156,7 @@ def _check_failed_save(how: str, run: Path, code: int, out: str, err: str, monke
     # Resuming from it (trainer.resume=auto) is the run that never failed.
     monkeypatch.delenv(SAVE_ERROR_STEPS_ENV, raising=False)
     monkeypatch.setattr(Trainer, "save", save)
-    assert main(run_args(run, *ARGS)) == 0
+    assert main(run_args(run, *ARGS, *extra)) == 0  # as the failed run and its reference ran
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == str(root / "step_00000002") and summary["steps"] == 6
     assert summary["checkpoint_save_errors"] == 0  # the failed save was after step 2's checkpoint

@@ -48,5 +48,9 @@ def run_args(run_dir: Path, *overrides: str) -> list[str]:
 def train(run_dir: Path, *overrides: str) -> Trainer:
     """The training command in this process (one rank)."""
     trainer = Trainer(load_config(run_args(run_dir, *overrides), world_size=1), CPU)
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        if trainer.lock is not None:  # the run directory is free again, as after the command;
+            trainer.lock.release()    # the data stays open for the tests to read
     return trainer
