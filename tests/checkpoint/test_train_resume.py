@@ -140,7 +140,7 @@ def test_resume_modes_refuse_to_mix_runs(tmp_path):
     """trainer.resume=never (or a path elsewhere) must not save beside an earlier run's
     checkpoints (auto-resume and keep_last would mix the two); auto takes the newest."""
     from fp8shard.train.config import ConfigError, load_config
-    from fp8shard.train.loop import resume_candidates
+    from fp8shard.train.resume import resume_candidates
 
     root = tmp_path / "run" / "checkpoints"
     other = tmp_path / "other" / "step_00000003"

@@ -26,18 +26,16 @@ from fp8shard.checkpoint.export import (
     read_state_dict_file,
 )
 from fp8shard.checkpoint.io import (
-    FORMAT,
-    VERSION,
     LoadedCheckpoint,
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
-    read_manifest,
     resolve_checkpoint,
     save_checkpoint,
 )
+from fp8shard.checkpoint.manifest import FORMAT, VERSION, read_manifest
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError",

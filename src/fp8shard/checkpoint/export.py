@@ -27,15 +27,8 @@ from torch import nn
 import fp8shard
 from fp8shard.checkpoint import state as ms
 from fp8shard.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from fp8shard.checkpoint.io import (
-    LoadedCheckpoint,
-    _check_keys,
-    check_storage_listed,
-    read_manifest,
-    resolve_checkpoint,
-    single_process_quiet,
-    verify_files,
-)
+from fp8shard.checkpoint.io import LoadedCheckpoint, _check_keys, resolve_checkpoint, single_process_quiet
+from fp8shard.checkpoint.manifest import check_storage_listed, read_manifest, verify_files
 from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader, read_dcp_metadata
 from fp8shard.fp8 import Float8Tensor
 

@@ -18,15 +18,14 @@ step ([Note: collective timeouts]), both in faults.py, as do a failed checkpoint
 storage faults]) and a restart after a rank died ([Note: elastic restart]); saturated FP8 casts
 are reported by layer once per step ([Note: overflow check] in nn/overflow.py). Validation leaves the training
 state untouched (see ``_delayed_scaling_untouched``), so the validation a run stopped early
-does at its last step changes nothing.
+does at its last step changes nothing. Choosing and checking the checkpoint to resume from is
+resume.py's; the run directory's lock and its clearing for trainer.overwrite are rundir.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,17 +37,11 @@ from torch import nn
 
 import fp8shard as fs
 from fp8shard.checkpoint import (
-    CheckpointError,
-    CheckpointFormatError,
     CheckpointSaveError,
     checkpoint_path,
     list_checkpoints,
-    load_checkpoint,
-    read_manifest,
-    resolve_checkpoint,
     save_checkpoint,
 )
-from fp8shard.checkpoint.io import MANIFEST, MAX_STEP, verify_files
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
@@ -68,7 +61,8 @@ from fp8shard.train.data import BatchLoader, TokenData, TokenSlice, load_data, v
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
-from fp8shard.train.rundir import RunDirInUse, RunDirLock, remove_partial_files
+from fp8shard.train.resume import load_resume_checkpoint, newest_checkpoint_state, resume_candidates
+from fp8shard.train.rundir import delete_earlier_run, lock_run_dir, remove_partial_files
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -108,132 +102,6 @@ def _delayed_scaling_untouched(model: nn.Module) -> Any:
             getattr(m, name).copy_(value)
 
 
-def incomplete_checkpoints(root: Path, complete: list[Path]) -> list[Path]:
-    """Checkpoint step directories under ``root`` that are not complete (no valid manifest)."""
-    if not root.is_dir():
-        return []
-    done = {p.name for p in complete}
-    return sorted(p for p in root.iterdir()
-                  if p.name.startswith("step_") and p.is_dir() and p.name not in done)
-
-
-def _names(paths: list[Path], most: int = 3) -> str:
-    shown = ", ".join(p.name for p in paths[:most])
-    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
-
-
-def resume_candidates(cfg: Config, root: Path) -> list[Path]:
-    """Checkpoints to resume from, in order of preference, per ``trainer.resume``.
-
-    A run directory holding an earlier run's checkpoints -- complete ones, or only step
-    directories whose manifest is missing -- is never started over silently: ``auto``
-    continues the newest complete one and refuses when there is none; ``never`` (or a
-    checkpoint elsewhere) refuses unless ``trainer.overwrite=true``, whose deletion happens
-    in ``Trainer.__init__`` once every start-up check has passed.
-    """
-    mode = cfg.trainer.resume
-    if isinstance(mode, bool):
-        mode = "auto" if mode else "never"
-    found = list_checkpoints(root)
-    partial = incomplete_checkpoints(root, found)
-    if mode == "auto":
-        if not found and partial:
-            raise ConfigError(
-                f"trainer.resume=auto: {root} holds {len(partial)} checkpoint director"
-                f"{'y' if len(partial) == 1 else 'ies'} ({_names(partial)}) but none is complete (no "
-                "valid manifest.json), so there is nothing to resume, and starting fresh would overwrite "
-                "them and the run's metrics: move them away, use another exp_manager.name, or start over "
-                "with trainer.resume=never trainer.overwrite=true (deletes them)")
-        return found  # newest first; a damaged one falls back to the next
-    try:
-        chosen = [] if mode == "never" else [resolve_checkpoint(mode)]
-    except CheckpointError as e:
-        raise ConfigError(f"trainer.resume: {e}") from None
-    inside = bool(chosen) and chosen[0].parent.resolve() == root.resolve()
-    if cfg.trainer.overwrite:
-        if inside:
-            raise ConfigError(f"trainer.overwrite=true would delete {chosen[0]}, the checkpoint "
-                              "trainer.resume names: copy it elsewhere first, or drop trainer.overwrite")
-        return chosen
-    if found and not inside:
-        # Saving a new lineage beside them would mix the two (auto-resume, keep_last pruning).
-        raise ConfigError(f"trainer.resume={mode} but {root} holds checkpoints of an earlier run "
-                          f"(newest: {found[0].name}); continue them with trainer.resume=auto, "
-                          "start over with trainer.resume=never trainer.overwrite=true (deletes them), or "
-                          "use another exp_manager.name")
-    if partial and not inside:
-        raise ConfigError(f"trainer.resume={mode} but {root} holds incomplete checkpoint directories of an "
-                          f"earlier run ({_names(partial)}; no valid manifest.json) that this run would "
-                          "overwrite: move them away, use another exp_manager.name, or set "
-                          "trainer.overwrite=true (deletes them)")
-    return chosen
-
-
-_COUNTERS = ("step", "skipped_steps", "checkpoint_save_errors", "fp8_overflows", "fp8_nonfinite_amaxes",
-             "fp8_saturated")
-
-
-def check_extra(extra: dict[str, Any], world_size: int, ck: Path) -> None:
-    """The fields of a checkpoint's ``extra`` that resuming reads (``Trainer.save`` writes them)
-    have their types and ranges; a checkpoint saved by other code may lack any of them."""
-
-    def bad(field: str, what: str) -> ConfigError:
-        got = repr(extra[field])
-        got = got if len(got) <= 60 else got[:57] + "..."
-        return ConfigError(f"trainer.resume: {ck / MANIFEST}: field extra.{field} {what}, got {got}")
-
-    for k in _COUNTERS:
-        if k in extra and not (type(extra[k]) is int and 0 <= extra[k] <= MAX_STEP):
-            raise bad(k, f"must be an integer from 0 to {MAX_STEP}")
-    d = extra.get("data", {})
-    if "data" in extra and not (isinstance(d, dict) and all(type(d.get(k)) is int for k in
-                                                            ("seed", "seq_len", "consumed_samples"))
-                                and d["consumed_samples"] >= 0):
-        raise bad("data", "must be an object with integers seed, seq_len and consumed_samples (>= 0)")
-    w = extra.get("log_window", {})
-    if "log_window" in extra and not (
-            isinstance(w, dict) and isinstance(w.get("loss_sums"), list) and len(w["loss_sums"]) == world_size
-            and all(type(x) in (int, float) for x in w["loss_sums"])
-            and type(w.get("steps")) is int and w["steps"] >= 0):
-        raise bad("log_window", f"must be an object with loss_sums ({world_size} numbers, one per saving "
-                  "rank) and steps (an integer >= 0)")
-
-
-DATA_KEYS = ("data.source", "data.token_dtype", "data.markov_order", "data.markov_classes",
-             "data.markov_spread", "data.markov_concentration", "data.num_train_tokens",
-             "data.num_val_tokens", "data.val_fraction", "data.seed", "model.encoder_seq_length")
-"""Keys that change which tokens a step reads: resuming with another value is refused (the
-checkpoint's data position would point into other data). data.path and data.tokenizer may
-change (a moved file); the number of tokens they give is compared instead. data.vocab_size is
-checked by the model's shapes."""
-
-
-def data_mismatch(saved: dict[str, Any], cfg: Config, tokens: dict[str, int] | None,
-                  saved_tokens: dict[str, int] | None) -> str | None:
-    """Why a checkpoint saved with config ``saved`` cannot continue on ``cfg``'s data, or None."""
-    now = to_dict(cfg)
-    markov = cfg.data.source == "markov"
-    for key in DATA_KEYS:
-        if key.startswith("data.markov_") or key.startswith("data.num_"):
-            if not markov:
-                continue
-        elif key == "data.val_fraction" and markov:
-            continue
-        section, name = key.split(".")
-        if section not in saved or name not in saved[section]:
-            continue
-        old, new = saved[section][name], now[section][name]
-        if old != new:
-            return (f"{key}={new!r} but the checkpoint was trained with {key}={old!r}: its data position "
-                    f"would point into other data; resume with {key}={old!r}, or start a new run "
-                    "(another exp_manager.name)")
-    if tokens and saved_tokens and tokens != saved_tokens:
-        return (f"data.path: {cfg.data.path} gives {tokens['train']} training and {tokens['val']} validation "
-                f"tokens, the checkpoint was trained on {saved_tokens['train']} and {saved_tokens['val']}: "
-                "other data; resume with the same file, or start a new run")
-    return None
-
-
 class Trainer:
     """Everything one run holds; ``fit()`` trains and returns the summary; ``close()`` releases
     the run directory (its lock, [Note: run directory lock]) -- the process's exit does too."""
@@ -243,7 +111,8 @@ class Trainer:
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
-        self.lock = self._lock_run_dir()  # [Note: run directory lock]: before anything is read or written
+        # [Note: run directory lock]: before anything is read or written
+        self.lock = lock_run_dir(self.run_dir, env.is_main, env.group)
         try:
             self._start()
         except BaseException:
@@ -251,23 +120,6 @@ class Trainer:
             # (and nothing else is touched: leftovers of earlier runs stay as they were).
             self.close(remove_created=True)
             raise
-
-    def _lock_run_dir(self) -> RunDirLock | None:
-        """Rank 0 takes the run directory's lock; every rank learns the outcome (one broadcast)."""
-        lock = RunDirLock(self.run_dir) if self.env.is_main else None
-        why: str | None = None
-        if lock is not None:
-            try:
-                why = lock.acquire()
-            except OSError as e:
-                why = f"cannot lock {lock.path}: {e.strerror or e}"
-        if self.env.group is not None:
-            box = [why]
-            dist.broadcast_object_list(box, src=0, group=self.env.group)
-            why = box[0]
-        if why is not None:
-            raise RunDirInUse(why)
-        return lock
 
     def close(self, remove_created: bool = False) -> None:
         """Release the run directory (rank 0): remove what an interrupted save or write left
@@ -319,7 +171,7 @@ class Trainer:
         if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
             compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
-            notes.extend(self._delete_earlier_run())
+            notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
         inside = self.resumed_from is not None and \
             self.resumed_from.parent.resolve() == self.ckpt_root.resolve()
@@ -333,86 +185,44 @@ class Trainer:
             self.rec.say(note)
 
     # ------------------------------------------------------------------ checkpoints
-    def _delete_earlier_run(self) -> list[str]:
-        """trainer.overwrite=true: remove the run directory's checkpoints, metrics and summary."""
-        gone = []
-        if self.ckpt_root.exists():
-            trash = self.run_dir / f".trash-checkpoints-{os.getpid()}"
-            self.ckpt_root.rename(trash)  # one rename: no half-deleted checkpoint is ever visible
-            shutil.rmtree(trash, ignore_errors=True)
-            gone.append("checkpoints/")
-        for name in ("metrics.jsonl", "summary.json"):
-            with contextlib.suppress(FileNotFoundError):
-                (self.run_dir / name).unlink()
-                gone.append(name)
-        if not gone:
-            return []
-        return [f"trainer.overwrite=true: deleted the earlier run's {', '.join(gone)} in {self.run_dir}"]
-
     def _data_tokens(self) -> dict[str, int]:
         return {"train": len(self.data.train), "val": len(self.data.val)}
 
-    def _check_same_data(self, path: Path) -> None:
-        """Refuse a checkpoint trained on other data (another seed, sequence length, file)."""
-        try:
-            extra = read_manifest(path).get("extra") or {}
-        except (CheckpointError, OSError):
-            return  # load_checkpoint says what is wrong with it
-        saved = extra.get("config")
-        if not isinstance(saved, dict):
-            return  # saved by the library directly: nothing to compare
-        tokens = self._data_tokens() if self.cfg.data.source != "markov" else None
-        why = data_mismatch(saved, self.cfg, tokens, extra.get("data_tokens"))
-        if why is not None:
-            raise ConfigError(f"trainer.resume: {path}: {why}")
-
     def _resume(self, candidates: list[Path], notes: list[str]) -> Path:
-        """Load the first loadable candidate (a damaged newest one falls back to the previous)."""
-        for i, path in enumerate(candidates):
-            self._check_same_data(path)
+        """Load the first loadable candidate (a damaged newest one falls back to the previous) and
+        continue from it: step, counters, data position, log window, RNG streams."""
+        tokens = self._data_tokens() if self.cfg.data.source != "markov" else None
+        path, info = load_resume_checkpoint(candidates, self.model, self.opt, self.cfg, tokens,
+                                            self.env.group, notes)
+        extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
+        self.step = int(extra.get("step", info.step or 0))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.save_errors = int(extra.get("checkpoint_save_errors", 0))
+        if self.overflow is not None:
+            self.overflow.overflows = int(extra.get("fp8_overflows", 0))
+            self.overflow.nonfinite = int(extra.get("fp8_nonfinite_amaxes", 0))
+            self.overflow.saturated = int(extra.get("fp8_saturated", 0))
+        if "data" in extra:
             try:
-                info = load_checkpoint(path, self.model, self.opt, process_group=self.env.group)
-            except CheckpointFormatError as e:
-                if i + 1 < len(candidates):
-                    notes.append(f"checkpoint {path} cannot be loaded ({e}); trying the previous one")
-                    continue
-                raise ConfigError(f"trainer.resume: {e}") from None
-            except CheckpointError as e:
-                lines = str(e).splitlines()
-                if len(lines) > 6:  # e.g. every mismatched parameter: the first few say enough
-                    lines = [*lines[:6], f"  ... and {len(lines) - 6} more"]
-                raise ConfigError("trainer.resume: " + "\n".join(lines)) from None
-            extra = info.extra  # what save() wrote; a checkpoint saved elsewhere may lack some of it
-            check_extra(extra, info.world_size, path)
-            self.step = int(extra.get("step", info.step or 0))
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            self.save_errors = int(extra.get("checkpoint_save_errors", 0))
-            if self.overflow is not None:
-                self.overflow.overflows = int(extra.get("fp8_overflows", 0))
-                self.overflow.nonfinite = int(extra.get("fp8_nonfinite_amaxes", 0))
-                self.overflow.saturated = int(extra.get("fp8_saturated", 0))
-            if "data" in extra:
-                try:
-                    self.loader.load_state_dict(extra["data"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ConfigError(f"trainer.resume: {path}: {e}") from None
-            else:
-                self.loader.consumed_samples = self.step * self.cfg.model.global_batch_size
-            window = extra.get("log_window", {"loss_sums": [0.0] * info.world_size, "steps": 0})
-            if info.world_size == self.env.world_size:
-                self.window = [window["loss_sums"][self.env.rank], window["steps"]]
-            else:  # the same mean over a different number of ranks
-                total = sum(window["loss_sums"]) * self.env.world_size / info.world_size
-                self.window = [total if self.env.is_main else 0.0, window["steps"]]
-            if not info.rng_restored:  # another world size: fresh streams, still per rank and step
-                torch.manual_seed(self.cfg.model.seed + 1 + self.env.rank + 1_000_003 * self.step)
-            notes.append(f"resumed from {path} at step {self.step} (saved by {info.world_size} rank(s))")
-            if extra.get("lr_schedule") != self._schedule_state():
-                notes.append(f"note: the LR schedule differs from the checkpoint's "
-                             f"({extra.get('lr_schedule')} -> {self._schedule_state()}); the continued "
-                             "run follows the new one")
-            return path
-        raise AssertionError("unreachable")
+                self.loader.load_state_dict(extra["data"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"trainer.resume: {path}: {e}") from None
+        else:
+            self.loader.consumed_samples = self.step * self.cfg.model.global_batch_size
+        window = extra.get("log_window", {"loss_sums": [0.0] * info.world_size, "steps": 0})
+        if info.world_size == self.env.world_size:
+            self.window = [window["loss_sums"][self.env.rank], window["steps"]]
+        else:  # the same mean over a different number of ranks
+            total = sum(window["loss_sums"]) * self.env.world_size / info.world_size
+            self.window = [total if self.env.is_main else 0.0, window["steps"]]
+        if not info.rng_restored:  # another world size: fresh streams, still per rank and step
+            torch.manual_seed(self.cfg.model.seed + 1 + self.env.rank + 1_000_003 * self.step)
+        notes.append(f"resumed from {path} at step {self.step} (saved by {info.world_size} rank(s))")
+        if extra.get("lr_schedule") != self._schedule_state():
+            notes.append(f"note: the LR schedule differs from the checkpoint's "
+                         f"({extra.get('lr_schedule')} -> {self._schedule_state()}); the continued "
+                         "run follows the new one")
+        return path
 
     def _schedule_state(self) -> dict[str, Any]:
         s = self.cfg.model.optim.sched
@@ -445,17 +255,7 @@ class Trainer:
         """A save failed ([Note: storage faults]): check the newest complete checkpoint, then stop
         or, with checkpoint.on_save_error=continue, say so and train on."""
         self.save_errors += 1
-        kept = list_checkpoints(self.ckpt_root)
-        if not kept:
-            state = "there is no earlier checkpoint"
-        elif not self.env.is_main:
-            state = ""  # rank 0 checks and says it
-        else:
-            try:
-                verify_files(kept[0], read_manifest(kept[0]))
-                state = f"the newest complete checkpoint {kept[0]} is intact (sizes and SHA-256 verified)"
-            except (CheckpointError, OSError) as bad:
-                state = f"the newest complete checkpoint {kept[0]} fails verification: {bad}"
+        state = newest_checkpoint_state(self.ckpt_root, self.env.is_main)
         if self.env.group is not None:
             dist.barrier(group=self.env.group)  # rank 0 has checked before any rank goes on or exits
         mode = self.cfg.checkpoint.on_save_error

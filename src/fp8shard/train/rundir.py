@@ -1,4 +1,5 @@
-"""The run directory: one job at a time (a lock), and what an interrupted job leaves tidy.
+"""The run directory: one job at a time (a lock), what an interrupted job leaves tidy, and
+clearing an earlier run for ``trainer.overwrite=true``.
 
 [Note: run directory lock]
     Rank 0 holds ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<run dir>/.fp8shard.lock`` for the
@@ -28,6 +29,9 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 LOCK_NAME = ".fp8shard.lock"
 
@@ -135,3 +139,40 @@ def remove_partial_files(run_dir: Path, ckpt_root: Path, own_only: bool = False)
                     p.unlink()
                     gone.append(p)
     return gone
+
+
+def lock_run_dir(run_dir: Path, is_main: bool, group: Any) -> RunDirLock | None:
+    """Rank 0 takes the run directory's lock; every rank learns the outcome (one broadcast over
+    ``group``, when there is one) and raises ``RunDirInUse`` if it was refused."""
+    lock = RunDirLock(run_dir) if is_main else None
+    why: str | None = None
+    if lock is not None:
+        try:
+            why = lock.acquire()
+        except OSError as e:
+            why = f"cannot lock {lock.path}: {e.strerror or e}"
+    if group is not None:
+        box = [why]
+        dist.broadcast_object_list(box, src=0, group=group)
+        why = box[0]
+    if why is not None:
+        raise RunDirInUse(why)
+    return lock
+
+
+def delete_earlier_run(run_dir: Path, ckpt_root: Path) -> list[str]:
+    """trainer.overwrite=true: remove the run directory's checkpoints, metrics and summary;
+    returns the note saying what went (none when nothing was there)."""
+    gone = []
+    if ckpt_root.exists():
+        trash = run_dir / f".trash-checkpoints-{os.getpid()}"
+        ckpt_root.rename(trash)  # one rename: no half-deleted checkpoint is ever visible
+        shutil.rmtree(trash, ignore_errors=True)
+        gone.append("checkpoints/")
+    for name in ("metrics.jsonl", "summary.json"):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+            gone.append(name)
+    if not gone:
+        return []
+    return [f"trainer.overwrite=true: deleted the earlier run's {', '.join(gone)} in {run_dir}"]
