@@ -39,7 +39,9 @@ CATEGORIES = [
     ("gemm fp8", r"nvjet_sm90_q|qgmma|(gemm|cutlass|xmma).*(e4m3|e5m2)"),
     ("attention", r"flash|fmha|attention|sdpa|dot_do_o|convert_dq"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|hgmma"),
-    ("optimizer", r"adam|multi_tensor|foreach|_fused_"),
+    # Before "triton": Inductor names its kernels triton_<kind>_fused_<ops>, which say nothing
+    # about the optimizer; fp8shard's own Triton Adam kernels are named _adam_kernel/_cast_kernel.
+    ("optimizer", r"adam|multi_tensor|foreach|_cast_kernel"),
     ("triton (fp8shard/inductor)", r"triton"),
     ("reduction (amax, norms)", r"reduce|norm|max|softmax|cross_entropy|nll"),
     ("copy / convert", r"copy|cast|convert|transpose|cat"),
@@ -104,6 +106,11 @@ def _host_profile(model, opt, ctx, x, y, path: str) -> None:
         f.write(out.getvalue())
 
 
+def _file_stem(system: str) -> str:
+    """A system name as a file name ("fp8shard-fp8+compile" -> "fp8shard-fp8_compile")."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", system)
+
+
 def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
     device = torch.device("cuda", 0)
     model, opt, ctx, note = cp._build(system, cfg, device)
@@ -123,7 +130,7 @@ def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
             _step(model, opt, ctx, x, y)
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
-    _host_profile(model, opt, ctx, x, y, os.path.join(out_dir, f"{system}_host.txt"))
+    _host_profile(model, opt, ctx, x, y, os.path.join(out_dir, f"{_file_stem(system)}_host.txt"))
     kernels: dict[str, tuple[float, int]] = {}
     for evt in prof.key_averages():
         dev_us = getattr(evt, "self_device_time_total", None)
@@ -141,7 +148,7 @@ def profile_system(system: str, cfg: dict, steps: int, out_dir: str) -> dict:
     busy = sum(ms for ms, _ in kernels.values())
     wall_ms = statistics.median(walls) * 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]
-    with open(os.path.join(out_dir, f"{system}_kernels.txt"), "w") as f:
+    with open(os.path.join(out_dir, f"{_file_stem(system)}_kernels.txt"), "w") as f:
         for name, (ms, count) in top:
             f.write(f"{ms:9.3f} ms {count:6d}x  [{categorize(name)}]  {name[:160]}\n")
     del model, opt
