@@ -12,6 +12,7 @@ Inductor reorders fp32 arithmetic (rtol 1e-4, atol 1e-5; observed differences <=
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,17 @@ def _fresh_dynamo():
         yield
     autocast._every_step.clear()
     torch._dynamo.reset()
+
+
+def _one_recompile_if_delayed(recipe: object) -> Any:
+    """[Note: informed first call]: a delayed-scaling layer's first call casts as current
+    scaling and clears a Python flag, so it is compiled twice (first call, then every later
+    one); the graph counts below check that it is only twice."""
+    return torch._dynamo.config.patch(error_on_recompile=not isinstance(recipe, fs.DelayedScaling))
+
+
+def _graphs(recipe: object) -> int:
+    return 2 if isinstance(recipe, fs.DelayedScaling) else 1
 
 
 def _build(kind: str, fp8_params: bool) -> torch.nn.Module:
@@ -93,10 +105,11 @@ def test_fullgraph_compile_matches_eager(kind, recipe_name, fp8_params):
     for m in (eager, inner):  # the delayed-scaling state exists before the first compiled call
         fs.nn.prepare_delayed_scaling(m, recipe)
     compiled = torch.compile(inner, backend="aot_eager", fullgraph=True)
-    got = _steps(compiled, kind, recipe)
+    with _one_recompile_if_delayed(recipe):
+        got = _steps(compiled, kind, recipe)
     ref = _steps(eager, kind, recipe)
     _assert_same(ref, got, AOT)
-    assert counters["stats"]["unique_graphs"] == 1  # one graph for every step
+    assert counters["stats"]["unique_graphs"] == _graphs(recipe)  # one graph for every later step
     for a, b in zip(_fp8_state(eager), _fp8_state(inner), strict=True):  # amax histories, scales
         torch.testing.assert_close(b, a, **AOT)
     if recipe_name == "delayed":
@@ -108,7 +121,8 @@ def test_inductor_fp8_weights_delayed_matches_eager():
     eager, inner = _build("linear", True), _build("linear", True)
     for m in (eager, inner):
         fs.nn.prepare_delayed_scaling(m, recipe)
-    got = _steps(torch.compile(inner, fullgraph=True), "linear", recipe)
+    with _one_recompile_if_delayed(recipe):
+        got = _steps(torch.compile(inner, fullgraph=True), "linear", recipe)
     _assert_same(_steps(eager, "linear", recipe), got, INDUCTOR)
 
 
@@ -121,9 +135,10 @@ def test_blocks_compiled_one_by_one_share_one_graph():
         fs.nn.prepare_delayed_scaling(m, recipe)
     for block in model.blocks:
         block.compile(backend="aot_eager", fullgraph=True)
-    got = _steps(model, "gpt", recipe)
+    with _one_recompile_if_delayed(recipe):
+        got = _steps(model, "gpt", recipe)
     _assert_same(_steps(eager, "gpt", recipe), got, AOT)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == _graphs(recipe)
     assert list(model.state_dict()) == list(eager.state_dict())  # no _orig_mod. prefix
 
 

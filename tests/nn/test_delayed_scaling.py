@@ -41,10 +41,12 @@ def test_history_rolls_and_scales_update_as_specified(algo):
     for xa, ga in zip(x_amaxes, dy_amaxes, strict=True):
         x, dy = _with_amax((8, 16), xa, gen), _with_amax((8, 32), ga, gen)
         y = fwd_bwd(layer, x, dy, recipe)[0]
-        # this step cast with the scales of the previous update ...
+        # this step cast with the scales of the previous update (the first: with its own
+        # amaxes, as current scaling, [Note: informed first call]) ...
         assert torch.equal(layer.fp8_scale, expected_scale.float())
-        xq = fs.Float8Tensor.quantize(x, scale=layer.fp8_scale[0]).dequantize()
-        wq = fs.Float8Tensor.quantize(layer.weight.detach(), scale=layer.fp8_scale[1]).dequantize()
+        used = FMT_MAX / torch.tensor([xa, w_amax, ga]) if not completed else layer.fp8_scale
+        xq = fs.Float8Tensor.quantize(x, scale=used[0]).dequantize()
+        wq = fs.Float8Tensor.quantize(layer.weight.detach(), scale=used[1]).dequantize()
         torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-5)
         # ... and recorded its own amaxes in the free row 0
         pending = [xa, w_amax, ga]

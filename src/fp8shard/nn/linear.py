@@ -28,6 +28,20 @@ from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
 from fp8shard.nn.autocast import Fp8State, current_fp8_state, register_every_step, register_pending
 from fp8shard.nn.model_init import current_model_init
 
+# [Note: informed first call]
+#     Under delayed scaling a cast uses the scale its layer's amax history gave; a layer whose
+#     history is still empty has only the initial scale 1 (Transformer Engine's first step), an
+#     uninformed cast (about 10 dB of output SQNR lost in benchmarks/bench_linear.py). So while
+#     ``Linear._fp8_history_empty`` is set, the call casts as current scaling does (scale from
+#     the amax of the tensor being cast, the same bytes: margin not applied) and records those
+#     amaxes in history row 0, where the next scale update (``AmaxSync.step()``) turns them into
+#     scales. The flag is a Python bool that the first delayed-scaling forward clears, once: under
+#     torch.compile one recompilation, no host sync and no per-call data-dependent branch. Its
+#     backward casts the output gradient the same way (the choice is made at forward). A loaded
+#     state dict with a non-empty history (or non-unit scales) clears it; a dropped delayed-scaling
+#     state sets it again. A layer called twice before the first update casts the second call with
+#     the initial scales, as before.
+
 # Slots of a layer's delayed-scaling state: one per GEMM operand.
 SLOT_INPUT, SLOT_WEIGHT, SLOT_GRAD_OUTPUT = 0, 1, 2
 
@@ -42,11 +56,15 @@ def _quantize(t: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """FP8 bytes of 2-D ``t``, bytes of ``t.t()`` (row-major) if ``transpose``, ``scale_inv``.
 
-    Current scaling: scale from amax(t). Delayed: the layer's scale for ``slot``, and amax(t)
-    recorded in ``history[0, slot]``. One fused cast ([Note: fused cast]).
+    Current scaling (``scales`` None): scale from amax(t). Delayed: the layer's scale for
+    ``slot``. With a ``history`` (delayed, also its informed first call, [Note: informed first
+    call]) amax(t) is recorded in ``history[0, slot]``. One fused cast ([Note: fused cast]).
     """
     if scales is None:
         cast = quantize_current(t, fmt, transpose=transpose)  # [Note: scale], current scaling
+        if history is not None:  # the informed first call records what it saw
+            row = history[0, slot]
+            row.copy_(torch.maximum(row, cast.amax))
     else:
         assert history is not None
         cast = quantize_with_scale(t, scales[slot], fmt, transpose=transpose,
@@ -165,6 +183,7 @@ class Linear(torch.nn.Linear):
             _check_fp8_weight_dtype(dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._amax_state: AmaxHistory | None = None
+        self._fp8_history_empty = True  # [Note: informed first call]
         self._preserve_hp_init = bool(init_state and init_state.preserve_high_precision_init_val)
         if init_state is not None:
             self._store_weight_as_fp8()
@@ -211,7 +230,11 @@ class Linear(torch.nn.Linear):
         scales = history = None
         if isinstance(recipe, DelayedScaling):
             self._ensure_delayed_state(recipe)
-            scales, history = self.fp8_scale, self.fp8_amax_history
+            history = self.fp8_amax_history
+            if self._fp8_history_empty:  # [Note: informed first call]: cast as current scaling
+                self._fp8_history_empty = False
+            else:
+                scales = self.fp8_scale
             register_pending(self, state.group)
         fmt = recipe.fp8_format
         return _Fp8LinearFn.apply(x, self.weight, self.bias, fmt.fwd, fmt.bwd, scales, history)
@@ -292,8 +315,14 @@ class Linear(torch.nn.Linear):
             # Amaxes of other weights would give bogus scales (TransformerEngine 567): start over.
             del self.fp8_amax_history, self.fp8_scale
             self._amax_state = None
+            self._fp8_history_empty = True
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if hist is not None:
+            # [Note: informed first call]: a loaded history or scale is information, not a start.
+            with torch.no_grad():
+                loaded = (self.fp8_amax_history != 0).any() | (self.fp8_scale != 1).any()
+            self._fp8_history_empty = not bool(loaded)
 
     def _check_loaded_weight_shape(self, weight: torch.Tensor | None) -> None:
         if weight is None or tuple(weight.shape) == tuple(self.weight.shape):
