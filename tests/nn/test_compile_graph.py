@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import fp8shard as fs
 from fp8shard.fp8.tensor import Float8Tensor
 from fp8shard.models import GPT, GPTConfig
-from fp8shard.nn import Linear, autocast
+from fp8shard.nn import Linear
 from fp8shard.optim import DistributedFusedAdam
 
 AOT = {"rtol": 1e-5, "atol": 1e-6}
@@ -35,10 +35,8 @@ TINY_GPT = GPTConfig(vocab_size=64, max_position_embeddings=16, num_layers=2, hi
 def _fresh_dynamo():
     torch._dynamo.reset()
     counters.clear()
-    autocast._every_step.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         yield
-    autocast._every_step.clear()
     torch._dynamo.reset()
 
 
@@ -65,6 +63,7 @@ def _steps(model: torch.nn.Module, kind: str, recipe: object, n: int = 3) -> lis
     """n forward + backward steps under fp8_autocast; (output, input grad, param grads) each."""
     gen = torch.Generator().manual_seed(1)
     inner = getattr(model, "_orig_mod", model)
+    sync = fs.nn.AmaxSync(inner)  # eager, between the compiled steps
     out = []
     for _ in range(n):
         if kind == "linear":
@@ -72,16 +71,17 @@ def _steps(model: torch.nn.Module, kind: str, recipe: object, n: int = 3) -> lis
             with fs.fp8_autocast(recipe=recipe):
                 y = model(x)
             y.pow(2).mean().backward()
+            sync.step()
             got = (y.detach(), x.grad)
         else:
             idx = torch.randint(0, 64, (2, 16), generator=gen)
             with fs.fp8_autocast(recipe=recipe):
                 y = model(idx, idx)
             y.backward()
+            sync.step()
             got = (y.detach(),)
         out.append(got + tuple(p.grad.clone() for p in inner.parameters()))
         inner.zero_grad(set_to_none=True)
-    fs.nn.reduce_and_update_amaxes()
     return out
 
 
@@ -197,21 +197,22 @@ def test_gemm_fallback_report_under_compile(monkeypatch):
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
-def test_prepared_layer_that_did_not_run_keeps_its_state():
-    """Prepared layers are reduced at every reduction; one that recorded nothing keeps its
-    window and scales (decided on the device), as an unprepared layer that did not run would."""
+def test_layer_that_did_not_run_keeps_its_state():
+    """AmaxSync reduces every layer with delayed-scaling state at every step; one that recorded
+    nothing since the last step keeps its window and scales (decided on the device)."""
     recipe = RECIPES["delayed"]()
     torch.manual_seed(0)
     used, idle = Linear(16, 16), Linear(16, 16)
-    fs.nn.prepare_delayed_scaling(torch.nn.ModuleList([used, idle]), recipe)
+    both = torch.nn.ModuleList([used, idle])
+    fs.nn.prepare_delayed_scaling(both, recipe)
+    sync = fs.nn.AmaxSync(both)
     with fs.fp8_autocast(recipe=recipe):
         idle(torch.randn(4, 16)).sum().backward()
-    fs.nn.reduce_and_update_amaxes()
+    assert sync.step() == 2
     before = [t.clone() for t in (idle.fp8_amax_history, idle.fp8_scale, used.fp8_amax_history)]
     for _ in range(2):
         with fs.fp8_autocast(recipe=recipe):
             used(torch.randn(4, 16)).sum().backward()
-    fs.nn.reduce_and_update_amaxes()
+        sync.step()
     assert torch.equal(idle.fp8_amax_history, before[0]) and torch.equal(idle.fp8_scale, before[1])
     assert not torch.equal(used.fp8_amax_history, before[2])
-    assert autocast._pending == {}  # prepared layers never register per call

@@ -38,7 +38,7 @@ def _step(net: Net, x: torch.Tensor) -> None:
     with fs.fp8_autocast(enabled=True, recipe=RECIPE):
         y = net(x)
     y.square().mean().backward()
-    fs.nn.reduce_and_update_amaxes()  # what the next step's fp8_autocast entry would do
+    fs.nn.AmaxSync(net).step()  # what the training loop does after each backward
 
 
 def test_a_spike_is_reported_by_layer_and_operand():
