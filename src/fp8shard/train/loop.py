@@ -84,20 +84,19 @@ def lr_at(cfg: Config, step: int) -> float:
 
 
 @contextlib.contextmanager
-def _delayed_scaling_untouched(model: nn.Module, amax_sync: fs.nn.AmaxSync | None) -> Any:
+def _delayed_scaling_untouched(model: nn.Module) -> Any:
     """Run evaluation forwards without moving the FP8 layers' delayed-scaling state.
 
     The training steps' amaxes are all reduced by then (``amax_sync.step()`` after each
-    backward, [Note: amax reduction]); the state is saved, and restored after the block (the
-    amaxes the evaluation recorded are reduced, seen by the overflow check, and dropped).
+    backward, [Note: amax reduction]); the state is saved, and restored after the block. The
+    evaluation reduces its amaxes after each forward (``Trainer.validate``): its later batches
+    use scales from its earlier ones, and the overflow check sees them; then they are dropped.
     """
     saved = [(m, name, buf.clone()) for m in model.modules()
              for name, buf in m.named_buffers(recurse=False) if name in ("fp8_amax_history", "fp8_scale")]
     try:
         yield
     finally:
-        if amax_sync is not None:
-            amax_sync.step()
         for m, name, value in saved:
             getattr(m, name).copy_(value)
 
@@ -374,7 +373,7 @@ class Trainer:
         cfg, env, m = self.cfg, self.env, self.cfg.model
         n = cfg.trainer.limit_val_batches * m.global_batch_size
         total = count = 0.0
-        with _delayed_scaling_untouched(self.model, self.amax_sync):
+        with _delayed_scaling_untouched(self.model):
             self.model.eval()
             # [Note: validation split]: the same number of forwards on every rank; a rank past
             # the end of its share runs a padding forward that does not count.
@@ -382,6 +381,8 @@ class Trainer:
                                              env.rank, env.world_size, env.device):
                 with self._forward_ctx():
                     loss = self.model(x, y)
+                if self.amax_sync is not None:  # every rank runs the same number of forwards
+                    self.amax_sync.step()
                 if not padding:
                     total += float(loss) * y.numel()
                     count += y.numel()
