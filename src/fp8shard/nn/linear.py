@@ -318,11 +318,13 @@ class Linear(torch.nn.Linear):
             self._fp8_history_empty = True
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if hist is not None:
-            # [Note: informed first call]: a loaded history or scale is information, not a start.
+        scale = state_dict.get(prefix + "fp8_scale")
+        if hist is not None and hist.device.type != "meta":
+            # [Note: informed first call]: a loaded history or scale is information, not a start
+            # (one host sync per layer, at load time).
             with torch.no_grad():
-                loaded = (self.fp8_amax_history != 0).any() | (self.fp8_scale != 1).any()
-            self._fp8_history_empty = not bool(loaded)
+                informed = bool((hist != 0).any()) or (scale is not None and bool((scale != 1).any()))
+            self._fp8_history_empty = not informed
 
     def _check_loaded_weight_shape(self, weight: torch.Tensor | None) -> None:
         if weight is None or tuple(weight.shape) == tuple(self.weight.shape):
