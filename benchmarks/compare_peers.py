@@ -263,6 +263,37 @@ def _build_single(system: str, cfg: dict, device: torch.device, gpt: torch.nn.Mo
     return model, opt, autocast, "; ".join(notes)
 
 
+class Fp8Context:
+    """fp8shard-fp8's forward context factory, and its amax update after each backward.
+
+    Calling it gives ``fp8_autocast``; ``after_backward()`` is the training command's
+    ``AmaxSync.step()`` under delayed scaling (one packed amax all-reduce over every rank,
+    [Note: amax reduction]), nothing under current scaling.
+    """
+
+    def __init__(self, model: torch.nn.Module, recipe: Any) -> None:
+        import fp8shard as fs
+
+        self.recipe = recipe
+        self.sync = fs.nn.AmaxSync(model) if isinstance(recipe, fs.DelayedScaling) else None
+
+    def __call__(self) -> Any:
+        import fp8shard as fs
+
+        return fs.fp8_autocast(enabled=True, recipe=self.recipe)
+
+    def after_backward(self) -> None:
+        if self.sync is not None:
+            self.sync.step()
+
+
+def after_backward(ctx: Any) -> None:
+    """What a system runs after each backward (fp8shard-fp8: the amax update), else nothing."""
+    hook = getattr(ctx, "after_backward", None)
+    if hook is not None:
+        hook()
+
+
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
     """(model, optimizer, forward-context factory, note) for one system."""
     import fp8shard as fs
@@ -285,7 +316,7 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
         note = f"{cfg.get('recipe', 'delayed')} scaling"
         note += "; " + _compile_fp8shard(model, recipe, scope) if compiled else ""
-        return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
+        return model, opt, Fp8Context(model, recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
@@ -380,6 +411,7 @@ def run_system(system: str, cfg: dict) -> dict:
             t0 = time.perf_counter()
             loss = step_loss(model, ctx, x, y)
             loss.backward()
+            after_backward(ctx)
             opt.step()
             if step == cfg["steps"] - 1:  # measured while gradients exist
                 mem = persistent_bytes(model, opt)

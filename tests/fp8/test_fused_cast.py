@@ -283,6 +283,7 @@ def _linear_run(recipe, fp8_params: bool, shape, dtype):
     torch.manual_seed(0)
     with fs.fp8_model_init(enabled=fp8_params):
         layer = fs.nn.Linear(shape[-1], 96, device="cuda", dtype=dtype)
+    sync = fs.nn.AmaxSync(layer)  # delayed scaling: the amax update after each backward
     outs = []
     for step in range(3):  # delayed scaling: steps 2 and 3 use scales from the history
         g = torch.Generator(device="cuda").manual_seed(step)
@@ -291,9 +292,9 @@ def _linear_run(recipe, fp8_params: bool, shape, dtype):
         with fs.fp8_autocast(enabled=True, recipe=recipe):
             y = layer(x)
         y.backward(dy)
+        sync.step()
         outs += [y.detach(), x.grad, layer.weight.grad.clone()]
         layer.weight.grad = None
-    fs.nn.reduce_and_update_amaxes()
     for name in ("fp8_amax_history", "fp8_scale"):
         if hasattr(layer, name):
             outs.append(getattr(layer, name).clone())

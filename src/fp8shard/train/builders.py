@@ -179,10 +179,10 @@ def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | No
 
         Every scope works in place: the module tree, ``named_parameters`` and the state-dict
         keys stay those of the eager model (no ``_orig_mod.`` prefix), so checkpoints,
-        DistributedFusedAdam and DDP see the same model. ``fp8_autocast`` stays outside the
-        graphs ([Note: amax reduction]); with delayed scaling the layers' amax state is made
-        first and the layers are registered for the reduction once (``prepare_delayed_scaling``),
-        so no graph break at the first step and no per-block recompilation.
+        DistributedFusedAdam and DDP see the same model. ``fp8_autocast`` and ``AmaxSync.step()``
+        stay outside the graphs ([Note: amax reduction]); with delayed scaling the layers' amax
+        state is made first (``prepare_delayed_scaling``), so no graph break at the first step;
+        the informed first call costs one recompilation ([Note: informed first call]).
         With ``overlap_param_sync`` the parameter all-gathers are awaited before the forward
         (``Trainer._forward_ctx``), not module by module: the optimizer's forward pre-hooks sit
         on modules inside the compiled regions, where a pending gather would be traced into the
