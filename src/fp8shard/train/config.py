@@ -64,6 +64,13 @@ class TrainerConfig:
     final norm + output layer + loss; gradient reduce-scatters overlap the backward), graph (the
     whole model as one graph: reduce-scatters start after the whole backward) or blocks (only the
     blocks; embeddings, head and loss eager)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """With compile=true: the torch.compile backend; inductor generates kernels, aot_eager and
+    eager trace without generating code (tests, debugging)."""
+    triton: bool = True
+    """Let fp8shard's Triton kernels (FP8 casts, the fused optimizer step) serve the calls they can
+    (CUDA, triton installed); false: the PyTorch reference paths everywhere (to measure or debug
+    them). Sets fp8shard.set_triton for the process."""
     resume: bool | str = "auto"
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
@@ -127,6 +134,9 @@ class OptimConfig:
     overlap_param_sync: bool = False
     """distributed_fused_adam: step() returns with the parameter all-gathers in flight; each
     module's forward waits for its own."""
+    fused: bool = True
+    """distributed_fused_adam: take the fused Triton step (update, amax and FP8 cast in one pass)
+    where Triton serves (trainer.triton, CUDA); false: the PyTorch step (to compare, or to debug)."""
     sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
     """Learning-rate schedule."""
 
