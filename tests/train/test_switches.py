@@ -53,8 +53,8 @@ def test_trainer_compile_backend_reaches_torch_compile(tmp_path, monkeypatch):
 
 
 def test_a_bad_switch_value_names_the_key_and_its_choices():
-    with pytest.raises(ConfigError, match="trainer.compile_backend: 'cudagraph' is not one of: inductor, "
-                                          "aot_eager, eager"):
+    with pytest.raises(ConfigError, match=r"trainer\.compile_backend: 'cudagraph' is not one of: inductor, "
+                                          r"aot_eager, eager"):
         load_config(["trainer.compile_backend=cudagraph"], world_size=1)
-    with pytest.raises(ConfigError, match="model.optim.fused: expected true or false"):
+    with pytest.raises(ConfigError, match=r"model\.optim\.fused: expected true or false"):
         load_config(["model.optim.fused=maybe"], world_size=1)
