@@ -90,15 +90,10 @@ def params_dtype(cfg: Config) -> torch.dtype:
 
 def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     m = cfg.model
-    return GPTConfig(
+    return GPTConfig(  # the shape is model.*'s TransformerShape fields, declared once
         vocab_size=vocab_size,
         max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, normalization=m.normalization,
-        activation=m.activation, position_embedding_type=m.position_embedding_type,
-        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights, bias=m.bias,
-        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
+        **m.shape_kwargs(),
     )
 
 
