@@ -257,13 +257,13 @@ def test_reference_ops_reproduce_the_optimizer_ops(dtype, adam_w, mode):
             assert torch.equal(rb.param_buffer[b:b + n], ref.param_buffer[b:b + n])
 
 
-def _train(fused: bool | None, steps: int = 3, clip: float | None = None, nan_at: int | None = None,
+def _train(fused_path: bool | None, steps: int = 3, clip: float | None = None, nan_at: int | None = None,
            groups: bool = False, **kw) -> tuple[nn.Module, DistributedFusedAdam, list[float]]:
     torch.manual_seed(0)
     model = TinyMixed()
     opt = DistributedFusedAdam(param_groups(model) if groups else model.parameters(), lr=2e-2,
                                weight_decay=0.05, bucket_cap_mb=TINY_BUCKET_MB, **kw)
-    opt._fused_path = fused
+    opt._fused_path = fused_path  # None: the optimizer's own choice (its ``fused`` argument, Triton)
     rank = dist.get_rank() if dist.is_initialized() else 0
     norms = []
     for step in range(1, steps + 1):
