@@ -487,6 +487,47 @@ def check_cast_keeps_nan_and_saturates(device: str) -> None:
         assert ((got[nan] & 0x7F) == 0x7F).all()  # NaN stays NaN (0x7F / 0xFF)
 
 
+def fp8_encoding_inputs(n_random: int) -> torch.Tensor:
+    """``n_random`` random fp32 bit patterns (NaN, inf, subnormals included), then every finite
+    FP8 value of both formats, the midpoints between neighbours (exact ties) and the fp32
+    neighbours of each."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (n_random,), generator=gen, dtype=torch.int64).to(torch.int32)
+    parts = [bits.view(torch.float32)]
+    for fmt in Fp8Format:
+        v = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float()
+        v = v[torch.isfinite(v)].sort().values
+        mid = (v[1:] + v[:-1]) / 2
+        for t in (v, mid):
+            parts += [t, torch.nextafter(t, t + 1), torch.nextafter(t, t - 1)]
+    return torch.cat(parts)
+
+
+def check_fp8_encoding(n_random: int, device: str) -> None:
+    """Kernel 2 (the cast) writes exactly ``cast_to_fp8``'s bytes for every input of
+    ``fp8_encoding_inputs``; a NaN stays NaN (0x7F, either sign)."""
+    x = fp8_encoding_inputs(n_random).to(device)
+    for fmt in Fp8Format:
+        (lay,) = build_layout([ParamSpec(0, x.numel(), fmt.torch_dtype), ParamSpec(1, 5, fmt.torch_dtype)],
+                              1, 1 << 30, 16)
+        rb = RegionBuffers(lay, 0, torch.device(device), torch.bfloat16, torch.float32)
+        rb.master[:x.numel()] = x
+        table = fs.build_tile_table(rb.pieces, {0: 0, 1: 0}, {0: 0, 1: 1}, device=device)
+        fs.cast_tiles_(rb, table, torch.tensor([1.0, 1.0], device=device))
+        got = rb.param_buffer[:x.numel()]
+        want = cast_to_fp8(x, torch.tensor(1.0, device=device), fmt).view(torch.uint8)
+        nan = torch.isnan(x)
+        assert torch.equal(got[~nan], want[~nan]), f"{fmt.name}: {int((got[~nan] != want[~nan]).sum())} bytes"
+        assert ((got[nan] & 0x7F) == 0x7F).all(), f"{fmt.name}: a NaN was not written as NaN"
+
+
+@pytest.mark.gpu
+def test_triton_cast_encodes_every_fp8_boundary_and_random_bits():
+    """2M random fp32 bit patterns and every FP8 boundary, both formats."""
+    fp8shard.set_triton(True)
+    check_fp8_encoding(1 << 21, "cuda")
+
+
 @pytest.mark.gpu
 def test_triton_cast_keeps_nan_and_saturates():
     fp8shard.set_triton(True)

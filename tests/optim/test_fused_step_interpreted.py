@@ -17,6 +17,7 @@ from tests.optim.test_fused_step import (
     _train,
     assert_optimizers_close,
     check_cast_keeps_nan_and_saturates,
+    check_fp8_encoding,
     check_kernels,
     check_layout,
 )
@@ -57,6 +58,12 @@ def test_interpreted_kernels_with_16bit_states(state_dtype, interpreted):
 def test_interpreted_cast_keeps_nan_and_saturates(interpreted):
     fp8shard.set_triton(True)
     check_cast_keeps_nan_and_saturates("cpu")
+
+
+def test_interpreted_cast_encodes_every_fp8_boundary(interpreted):
+    """The GPU test's inputs with 4096 random bit patterns instead of 2M (interpreted)."""
+    fp8shard.set_triton(True)
+    check_fp8_encoding(4096, "cpu")
 
 
 @pytest.mark.parametrize(("scaling", "state_dtype"),
