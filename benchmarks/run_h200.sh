@@ -90,6 +90,6 @@ if want profile; then
   run $py benchmarks/profile_step.py --systems fp8shard-fp8 --recipe current --out "$OUT/profile_current" \
     2>&1 | tail -11
   run $py benchmarks/profile_linear.py --variants "bf16,fp8 current,fp8 delayed,fp8 params" \
-    --modes compile,eager 2>&1 | tail -20
+    --modes compile,eager --out "$OUT/profile_linear.json" 2>&1 | tail -20
   run $py benchmarks/profile_cast.py --profile --sweep --out "$OUT/profile_cast.json" 2>&1 | tail -30
 fi
