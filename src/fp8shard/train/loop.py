@@ -59,7 +59,7 @@ from fp8shard.train.builders import (
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
 from fp8shard.train.data import BatchLoader, TokenData, TokenSlice, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
-from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
+from fp8shard.train.faults import FaultHooks, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
 from fp8shard.train.resume import load_resume_checkpoint, newest_checkpoint_state, resume_candidates
 from fp8shard.train.rundir import delete_earlier_run, lock_run_dir, remove_partial_files
@@ -105,8 +105,9 @@ class Trainer:
     """Everything one run holds; ``fit()`` trains and returns the summary; ``close()`` releases
     the run directory (its lock, [Note: run directory lock]) -- the process's exit does too."""
 
-    def __init__(self, cfg: Config, env: DistEnv) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, faults: FaultHooks | None = None) -> None:
         self.cfg, self.env = cfg, env
+        self.faults = faults if faults is not None else FaultHooks()  # tests inject through it
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
@@ -159,7 +160,6 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.save_errors = 0  # failed checkpoint saves (checkpoint.on_save_error=continue)
-        self.faults = FaultInjector()
         # Saturated FP8 casts under delayed scaling, found at the amax reduction ([Note: overflow check]).
         factor = t.fp8_overflow_factor
         self.overflow = OverflowMonitor(self.model, factor) if delayed and factor > 0 else None
@@ -171,7 +171,7 @@ class Trainer:
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
         if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
-            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope)
+            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope, t.compile_backend)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
@@ -241,7 +241,7 @@ class Trainer:
                  "log_window": {"loss_sums": sums, "steps": self.window[1]},
                  "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg),
                  "data_tokens": self._data_tokens()}
-        with self.faults.save_fault(self.step, self.env.rank):  # FP8SHARD_INJECT_SAVE_ERROR_STEPS
+        with self.faults.save_fault(self.step, self.env.rank):  # a test's injected save failure
             return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
                                    step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
                                    process_group=self.env.group)
@@ -308,13 +308,13 @@ class Trainer:
             with contextlib.nullcontext() if last else self._no_sync():
                 with self._forward_ctx():
                     loss = self.forward_module(x, y)
-                if inject_nan:  # FP8SHARD_INJECT_NAN_STEPS: a non-finite loss, hence gradients
+                if inject_nan:  # a test's injected non-finite loss, hence gradients
                     loss = loss * float("nan")
                 (loss / len(micro)).backward()
             if self.amax_sync is not None:  # this micro-batch's amaxes -> the next one's scales
                 self.amax_sync.step()
             loss_sum += loss.detach()
-        # FP8SHARD_INJECT_KILL_STEP: a rank dies mid-step, its peers wait in a collective.
+        # A test's injected kill: a rank dies mid-step, its peers wait in a collective.
         self.faults.maybe_kill(self.step + 1, self.env.rank, self.cfg.trainer.max_steps)
         self.phase = "gradient clipping (gradient reduce-scatter, gradient-norm all-reduce)"
         clip = self.cfg.trainer.gradient_clip_val or math.inf
