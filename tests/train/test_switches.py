@@ -58,3 +58,21 @@ def test_a_bad_switch_value_names_the_key_and_its_choices():
         load_config(["trainer.compile_backend=cudagraph"], world_size=1)
     with pytest.raises(ConfigError, match=r"model\.optim\.fused: expected true or false"):
         load_config(["model.optim.fused=maybe"], world_size=1)
+
+
+def test_trainer_compile_defaults_to_auto_compiled_on_cuda_only(tmp_path, monkeypatch):
+    """Issue 16: the fast path is the default on the GPU; a CPU run stays eager."""
+    from fp8shard.train.builders import compile_enabled
+
+    cfg = load_config(run_args(tmp_path / "run"), world_size=1)
+    assert cfg.trainer.compile == "auto"
+    assert compile_enabled("auto", torch.device("cuda", 0)) is True
+    assert compile_enabled("auto", torch.device("cpu")) is False
+    assert compile_enabled(True, torch.device("cpu")) is True
+    assert compile_enabled(False, torch.device("cuda", 0)) is False
+    calls = []
+    monkeypatch.setattr(loop, "compile_model", lambda *a: calls.append(a) or 0)
+    loop.Trainer(cfg, CPU).close()  # auto on CPU: not compiled
+    assert calls == []
+    with pytest.raises(ConfigError, match=r"trainer\.compile: expected bool \| auto"):
+        load_config(["trainer.compile=sometimes"], world_size=1)

@@ -149,6 +149,14 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
 COMPILE_SCOPES = ("model", "graph", "blocks")
 
 
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``trainer.compile``: true/false as given; ``auto`` compiles on CUDA only (issue 16: the
+    compiled model is the fast path on the GPU; on CPU, compiling costs more than it saves)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
 def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None,
                   scope: str = "model", backend: str = "inductor") -> int:
     """``trainer.compile``: ``torch.compile`` the model in place; returns the number of compiled

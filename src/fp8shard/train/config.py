@@ -58,9 +58,10 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
     """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile the model in place (same module tree and state-dict keys); what is compiled
-    is trainer.compile_scope. docs/training.md, 'Compiling'."""
+    is trainer.compile_scope. auto: on for GPU runs (the fast path there), off on CPU (compiling
+    costs more than it saves at CPU sizes). docs/training.md, 'Compiling'."""
     compile_scope: Literal["model", "graph", "blocks"] = "model"
     """With compile=true: model (the whole model, one graph per region: embeddings, each block,
     final norm + output layer + loss; gradient reduce-scatters overlap the backward), graph (the

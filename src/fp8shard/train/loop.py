@@ -49,6 +49,7 @@ from fp8shard.train.builders import (
     build_model,
     build_optimizer,
     build_recipe,
+    compile_enabled,
     compile_model,
     configure_compute,
     count_fp8_linears,
@@ -170,7 +171,8 @@ class Trainer:
         self.window: list[float] = [0.0, 0]
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
-        if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
+        self.compiled = compile_enabled(t.compile, env.device)
+        if self.compiled:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
             compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope, t.compile_backend)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
@@ -272,7 +274,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ contexts
     def _forward_ctx(self) -> contextlib.ExitStack:
-        if self.cfg.trainer.compile and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
+        if self.compiled and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
             # [Note: compile scope]: the parameter all-gathers are awaited here, eagerly, so the
             # forward pre-hooks inside the compiled regions find nothing pending (a pending
             # gather there would be traced into the graph and recompile it region by region).
