@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -59,11 +60,12 @@ RECIPES: dict[str, list[str]] = {
 block projections in FP8 (HYBRID: E4M3 forward, E5M2 gradients) with FP8-stored weights."""
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # A 2-layer, 128-wide GPT (438k parameters), 300 steps of 16 x 64 tokens: about 13 s a bf16
-    # run and 21 s an FP8 run on one core, so 3 seeds x 3 recipes take about 3 minutes.
+    # A 2-layer, 128-wide GPT (438k parameters), 300 steps of 16 x 64 tokens: about 15 s a bf16
+    # run and 25 s an FP8 run on a quiet core, so 3 seeds x 3 recipes take about 3 minutes. One
+    # thread per run: on a shared machine two threads contend badly (10x slower, measured).
     "cpu": {"seeds": [1, 2, 3], "overrides": [
-        "trainer.accelerator=cpu", "trainer.max_steps=300", "trainer.val_check_interval=25",
-        "trainer.limit_val_batches=16", "trainer.log_every_n_steps=25",
+        "trainer.accelerator=cpu", "trainer.num_threads=1", "trainer.max_steps=300",
+        "trainer.val_check_interval=25", "trainer.limit_val_batches=16", "trainer.log_every_n_steps=25",
         "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=512",
         "model.num_attention_heads=4", "model.encoder_seq_length=64",
         "model.micro_batch_size=16", "model.global_batch_size=16"]},
@@ -106,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated GPU ids: one run at a time on each (CUDA_VISIBLE_DEVICES)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="passed to every run, after the preset's")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # options may follow the key=value overrides
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
@@ -215,7 +217,9 @@ def plan_runs(args: argparse.Namespace, recipes: list[str], seeds: list[int],
             if args.reuse and (run["dir"] / "config.yaml").is_file():
                 wrong = config_mismatches(run["dir"], overrides)
                 if wrong:
-                    raise BenchError(f"{run['dir']} was made with other settings ({'; '.join(wrong)}): "
+                    more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+                    raise BenchError(f"{run['dir']} was made with other settings ({'; '.join(wrong[:3])}"
+                                     f"{more}): "
                                      "pass another --out, or delete that run directory")
             if summary is not None and summary.get("steps") == max_steps(run["dir"]):
                 reuse.append(run)
@@ -250,7 +254,29 @@ def execute(todo: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     gpus = _csv(args.gpus) if args.gpus else []
     slots = len(gpus) if gpus else args.jobs
     threads = max(1, (os.cpu_count() or 1) // slots)
-    queue, running, failed = list(todo), {}, []
+    queue: list[dict[str, Any]] = list(todo)
+    running: dict[int, tuple[dict[str, Any], subprocess.Popen, float, Path]] = {}
+    failed: list[str] = []
+    try:
+        _loop(queue, running, failed, args, gpus, slots, threads)
+    except KeyboardInterrupt:
+        # Forward the interrupt as SIGTERM (a terminal's Ctrl-C reaches the runs anyway, a signal
+        # sent to this process alone does not, and a run started in the background ignores
+        # SIGINT): the training command stops cleanly on it, keeping its checkpoints.
+        for _, proc, _, _ in running.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc, _, _ in running.values():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
+    return failed
+
+
+def _loop(queue: list[dict[str, Any]], running: dict[int, Any], failed: list[str], args: argparse.Namespace,
+          gpus: list[str], slots: int, threads: int) -> None:
     while queue or running:
         while queue and len(running) < slots:
             run = queue.pop(0)
@@ -276,7 +302,6 @@ def execute(todo: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
                 failed.append(run["name"])
                 print(f"FAILED {run['name']} (exit {rc}) after {took:.0f} s; last lines of {log}:\n"
                       f"{_tail(log)}", flush=True)
-    return failed
 
 
 # ---------------------------------------------------------------------------- output
@@ -330,8 +355,13 @@ def runs_table(results: dict[str, dict[int, RunResult]], reused: set[str]) -> st
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the runs as Ctrl-C does
     try:
         recipes, seeds = check_args(args)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity: preset {args.preset}, recipes {', '.join(recipes)}, seeds {seeds}, data {data_desc}; "
           f"{len(todo)} run(s) to do, {len(reuse)} reused", flush=True)
     t0 = time.perf_counter()
-    failed = execute(todo, args)
+    try:
+        failed = execute(todo, args)
+    except KeyboardInterrupt:
+        print("parity: interrupted; the runs stopped, keeping their checkpoints: rerun the same command "
+              "with --reuse to go on from them", file=sys.stderr)
+        return 130
     if failed:
         print(f"parity: error: {len(failed)} run(s) failed ({', '.join(failed)}): see their logs in "
               f"{args.out / 'logs'}; rerun with --reuse to redo only those", file=sys.stderr)

@@ -233,7 +233,8 @@ def read_run(run_dir: Path, max_steps: int) -> RunResult:
 
 def config_mismatches(run_dir: Path, overrides: Sequence[str]) -> list[str]:
     """The ``key=value`` overrides whose value differs from the run's config.yaml, as
-    ``key: run has X, asked Y`` (a reused run must be the run the benchmark would make).
+    ``key: run has X, asked Y`` (a reused run must be the run the benchmark would make); of a
+    key given twice, the last value counts, as in the training command.
     Keys without a dot (``config=...``, a preset file) are not in config.yaml and are skipped."""
     import yaml  # a dependency of fp8shard; imported here so the statistics need nothing
 
@@ -241,9 +242,9 @@ def config_mismatches(run_dir: Path, overrides: Sequence[str]) -> list[str]:
     if not path.is_file():
         return [f"{path} is missing"]
     cfg = yaml.safe_load(path.read_text()) or {}
+    last = dict(item.partition("=")[::2] for item in overrides)  # later overrides win
     out = []
-    for item in overrides:
-        key, _, text = item.partition("=")
+    for key, text in last.items():
         if "." not in key:
             continue
         node: Any = cfg
