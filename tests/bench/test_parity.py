@@ -162,7 +162,7 @@ TINY = ["--recipes", "bf16,fp8-delayed", "--seeds", "1,2", "trainer.max_steps=20
         "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "checkpoint.every_n_steps=10",
         "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
         "model.num_attention_heads=2", "model.encoder_seq_length=32", "model.micro_batch_size=8",
-        "model.global_batch_size=8"]
+        "model.global_batch_size=8", "trainer.num_threads=1"]
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:
