@@ -179,7 +179,7 @@ def data_overrides(args: argparse.Namespace) -> tuple[list[str], str]:
                 raise BenchError(f"preparing {src} failed:\n{_tail(log)}")
         prepared = out / "tokens.json"
     meta = json.loads(prepared.read_text())
-    path = prepared.parent.resolve()
+    path = (prepared.parent / "tokens.bin").resolve()  # the file: what the run's config.yaml records
     desc = (f"{path} ({meta.get('num_tokens', 0):,} tokens, tokenizer {meta.get('tokenizer')}, "
             f"vocabulary {meta['vocab_size']})")
     return [f"data.path={path}", f"data.vocab_size={meta['vocab_size']}"], desc

@@ -157,6 +157,26 @@ def test_bad_arguments_stop_with_one_line(tmp_path, capsys, argv, message):
     assert not (tmp_path / "out" / "runs").exists()
 
 
+def test_text_data_is_prepared_once_with_the_bpe(tmp_path):
+    pytest.importorskip("tokenizers")  # in the dev extra; a BPE needs it
+    text = tmp_path / "texts"
+    text.mkdir()
+    line = "Now is the winter of our discontent made glorious summer by this sun of York. "
+    (text / "a.txt").write_text(line * 40)
+    (text / "b.txt").write_text("And all the clouds that lour'd upon our house in the deep bosom. " * 40)
+    bench = _bench()
+    args = bench.parse_args(["--data", str(text), "--vocab-size", "300", "--out", str(tmp_path / "out")])
+    overrides, desc = bench.data_overrides(args)
+    meta = json.loads((tmp_path / "out" / "data" / "tokens.json").read_text())
+    assert meta["tokenizer"] == "tokenizer.json" and meta["vocab_size"] == 300 and meta["documents"] == 2
+    tokens = (tmp_path / "out" / "data" / "tokens.bin").resolve()
+    assert overrides == [f"data.path={tokens}", "data.vocab_size=300"]
+    assert "vocabulary 300" in desc
+    # A prepared folder is used as it is, not prepared again.
+    again = bench.parse_args(["--data", str(tmp_path / "out" / "data"), "--out", str(tmp_path / "o2")])
+    assert bench.data_overrides(again)[0] == overrides and not (tmp_path / "o2" / "data").exists()
+
+
 # ---------------------------------------------------------------------------- end to end
 TINY = ["--recipes", "bf16,fp8-delayed", "--seeds", "1,2", "trainer.max_steps=20",
         "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "checkpoint.every_n_steps=10",
