@@ -179,7 +179,8 @@ def data_overrides(args: argparse.Namespace) -> tuple[list[str], str]:
                 raise BenchError(f"preparing {src} failed:\n{_tail(log)}")
         prepared = out / "tokens.json"
     meta = json.loads(prepared.read_text())
-    path = (prepared.parent / "tokens.bin").resolve()  # the file: what the run's config.yaml records
+    # The file, not its folder: what the run's config.yaml records (so --reuse can compare).
+    path = (src if src.suffix == ".bin" else prepared.parent / "tokens.bin").resolve()
     desc = (f"{path} ({meta.get('num_tokens', 0):,} tokens, tokenizer {meta.get('tokenizer')}, "
             f"vocabulary {meta['vocab_size']})")
     return [f"data.path={path}", f"data.vocab_size={meta['vocab_size']}"], desc
