@@ -318,6 +318,7 @@ def plot(results: dict[str, dict[int, RunResult]], path: Path, title: str) -> st
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     colors = dict(zip(results, ["black", "tab:red", "tab:blue", "tab:green", "tab:orange"], strict=False))
     styles = ["-", "--", ":", "-.", (0, (5, 1))]
+    markers = ["o", "s", "^", "D", "v", "x", "+"]  # a seed's line style and marker, a recipe's colour
     last = max(r.curve[-1][0] for runs in results.values() for r in runs.values())
     for recipe, runs in results.items():
         for i, (seed, r) in enumerate(sorted(runs.items())):
@@ -326,7 +327,8 @@ def plot(results: dict[str, dict[int, RunResult]], path: Path, title: str) -> st
                 if not pts:
                     continue
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, color=colors[recipe], linestyle=styles[i % len(styles)], marker=".",
+                ax.plot(xs, ys, color=colors[recipe], linestyle=styles[i % len(styles)],
+                        marker=markers[i % len(markers)], markersize=3,
                         label=f"{recipe} seed {seed}" if not zoom else None)
     axes[0].set_title("validation loss")
     axes[1].set_title("second half of the run")
