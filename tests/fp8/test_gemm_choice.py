@@ -45,7 +45,9 @@ def test_auto_on_cpu_picks_emulated_when_scaled_mm_measures_slower(fresh_choice,
 
 
 def test_auto_on_cpu_keeps_scaled_mm_where_it_measures_faster(fresh_choice, monkeypatch):
-    monkeypatch.setattr(gemm, "_emulated_mm", _slowed(gemm._emulated_mm, 0.02))
+    # The measurement is replaced (not slowed): on a CPU whose oneDNN runs the reference FP8
+    # kernel (~1 s a call here) no fixed delay of the emulated path makes scaled_mm win.
+    monkeypatch.setattr(gemm, "measure_cpu_gemm", lambda: {"scaled_mm_ms": 0.5, "emulated_ms": 1.0})
     assert gemm.choose_gemm_path("cpu", 0, 64, 64, 64) == "scaled_mm"
     assert gemm.resolved_gemm_path("cpu") == "scaled_mm"
 
