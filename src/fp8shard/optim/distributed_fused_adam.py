@@ -256,8 +256,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _update_and_cast(self, grads: StepGrads) -> None:
         """Phase 2: Adam(W) on the master shard, then this rank's shard of every parameter's bytes
         (FP8: amax, ONE packed all-reduce(MAX), scales; [Note: weight scaling])."""
-        hps = [AdamScalars.from_group(g, self._step, self.adam_w_mode) for g in self.param_groups]
-        self.kernel.update(grads, hps)
+        self.kernel.update(grads, self._hyperparams())
         scales = self._new_scale_inv  # no FP8 parameter: unused
         if self.fp8.num_slots:
             amax = self.kernel.local_amax()
@@ -265,6 +264,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             scales = self.fp8.cast_scales(amax)
             self._new_scale_inv = scales.reciprocal()
         self.kernel.cast(scales)
+
+    def _hyperparams(self) -> list[AdamScalars]:
+        """This step's hyperparameters, one per param group (read at every step: LR schedules)."""
+        return [AdamScalars(self._step, float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
+                            float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode)
+                for g in self.param_groups]
 
     def _launch_gathers(self) -> None:
         """Phase 3: all-gather every bucket in place; wait unless ``overlap_param_sync``."""

@@ -180,12 +180,6 @@ class AdamScalars:
     weight_decay: float
     adam_w_mode: bool = True
 
-    @classmethod
-    def from_group(cls, group: Mapping, step: int, adam_w_mode: bool) -> AdamScalars:
-        beta1, beta2 = group["betas"]
-        return cls(step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                   float(group["weight_decay"]), adam_w_mode)
-
     @property
     def wd_mode(self) -> int:
         """0: no weight decay, 1: decoupled (AdamW), 2: L2 added to the gradient."""
