@@ -180,10 +180,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     @property
     def _fused(self) -> FusedKernel | None:
-        """The fused kernel when this optimizer steps with it, else None."""
+        """The fused kernel (its tile tables) when this optimizer steps with it, else None."""
         return self.kernel if isinstance(self.kernel, FusedKernel) else None
 
     def _use_fused(self) -> bool:
+        """Whether this optimizer steps with the fused kernel (for tests and benchmarks)."""
         return self._fused is not None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

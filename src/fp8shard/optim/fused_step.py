@@ -26,6 +26,10 @@
     implementation (``_*_reference``), used where Triton is not (CPU;
     ``fp8shard.set_triton(False)``), which reproduces what ``adam_``,
     ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
+
+    ``FusedKernel`` (at the end) is the optimizer's step kernel made of these ops
+    ([Note: step kernel] in step_kernel.py): it builds the tile tables once and asks
+    ``use_triton`` once, when the optimizer is built.
 """
 
 from __future__ import annotations
