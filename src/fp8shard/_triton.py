@@ -10,7 +10,8 @@ specification: the tests compare the two. A Triton kernel serves a call only whe
   ``trainer.triton``) -- off measures or debugs the reference path.
 
 The optimizer's fused step has its own switch, ``DistributedFusedAdam(fused=...)``
-(``model.optim.fused``).
+(``model.optim.fused``); the optimizer asks ``use_triton`` once, when it is built
+([Note: step kernel] in optim/step_kernel.py).
 """
 
 from __future__ import annotations

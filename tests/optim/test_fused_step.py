@@ -2,7 +2,7 @@
 
 CPU: the tile table's invariants on many layouts; the reference ops against what the optimizer
 computes today (``adam_`` over runs, ``local_amax``, ``cast_region``), bit for bit; and the whole
-fused orchestration (``opt._fused_path = True``, PyTorch reference ops) against the default path,
+fused orchestration (``step_kernel="fused"``, PyTorch reference ops) against the default path,
 bit for bit, in one process and on gloo ranks.
 
 GPU (``-m gpu``, the H200): the Triton kernels against the reference on fresh random data, for
@@ -261,9 +261,10 @@ def _train(fused_path: bool | None, steps: int = 3, clip: float | None = None, n
            groups: bool = False, **kw) -> tuple[nn.Module, DistributedFusedAdam, list[float]]:
     torch.manual_seed(0)
     model = TinyMixed()
+    # None: the optimizer's own choice (its ``fused`` argument, Triton)
+    kernel = {None: "auto", True: "fused", False: "reference"}[fused_path]
     opt = DistributedFusedAdam(param_groups(model) if groups else model.parameters(), lr=2e-2,
-                               weight_decay=0.05, bucket_cap_mb=TINY_BUCKET_MB, **kw)
-    opt._fused_path = fused_path  # None: the optimizer's own choice (its ``fused`` argument, Triton)
+                               weight_decay=0.05, bucket_cap_mb=TINY_BUCKET_MB, step_kernel=kernel, **kw)
     rank = dist.get_rank() if dist.is_initialized() else 0
     norms = []
     for step in range(1, steps + 1):

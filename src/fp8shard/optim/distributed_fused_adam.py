@@ -1,23 +1,24 @@
 """``DistributedFusedAdam``: ZeRO-style sharded AdamW whose FP8 weights are gathered as FP8 bytes.
 
-One step, top to bottom (the data flow of docs/design.md, section 1):
+``step()`` reads in three phases (the data flow of docs/design.md, section 1):
 
-    wait gradient reduce-scatters  -> fp32 gradient shard        (hooks started them in backward)
-    check finite (+ clip)          -> one small all-reduce        (skip the step on inf/NaN)
-    Adam(W) on the fp32 master shard
-    amax per FP8 parameter         -> ONE packed all-reduce(MAX) -> scales  [Note: weight scaling]
-    cast my shard into the parameter bytes (FP8 as uint8, others in their dtype)
-    launch the in-place all-gathers of every bucket, and wait (or let forward pre-hooks wait)
+    1. finish the gradient reduction  -> ``StepGrads``: this rank's shards of the averaged
+       (``_finish_grad_reduction``)      gradient and one small all-reduce of their statistics
+                                         (sum of squares, non-finite, any gradient at all)
+    2. update and cast                -> Adam(W) on the fp32 master shard; amax per FP8 parameter,
+       (``_update_and_cast``)            ONE packed all-reduce(MAX), scales [Note: weight scaling];
+                                         this rank's shard of the parameters' bytes
+    3. launch the gathers             -> the in-place all-gather of every bucket (FP8 as uint8),
+       (``_launch_gathers``)             waited for here or by forward pre-hooks
 
-The pieces live in their own modules: layout (pure arithmetic), buffers (the tensors), hooks
+The arithmetic of phases 1 and 2 is the *step kernel*, chosen once at construction
+([Note: step kernel] in step_kernel.py): the reference (PyTorch ops) or the fused step of
+fused_step.py (the Triton tile kernels, [Note: fused step]) where Triton serves and ``fused``.
+``clip_grad_norm`` works on the same ``StepGrads`` and returns what it computed.
+
+The other pieces live in their own modules: layout (pure arithmetic), buffers (the tensors), hooks
 (gradient and forward hooks), collectives (the only torch.distributed caller), adam (the math),
 fp8_weights (amax, scale, cast) and state_dict (model-space checkpoints).
-
-On CUDA with Triton (``fp8shard._triton.use_triton``; the ``fused=False`` argument turns it off),
-steps 3-4 run as the fused step of
-fused_step.py ([Note: fused step]): one pass reads the bf16 gradient shard in place (no fp32
-copy) and updates master and states, writing each tile's amax (and, with delayed scaling, the
-FP8 bytes); with current scaling a second pass casts after the amax all-reduce.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,11 +34,10 @@ from torch import nn
 
 from fp8shard._triton import use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
-from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers, storage_dtype
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
-from fp8shard.optim.fused_step import AdamScalars, FusedStep
+from fp8shard.optim.fused_step import AdamScalars, FusedKernel
 from fp8shard.optim.hooks import GradSync, ParamSync
 from fp8shard.optim.layout import ParamSpec, build_layout
 from fp8shard.optim.state_dict import (
@@ -46,6 +46,7 @@ from fp8shard.optim.state_dict import (
     load_sharded_states,
     sharded_states,
 )
+from fp8shard.optim.step_kernel import ReferenceKernel, StepGrads, StepKernel
 
 _HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
@@ -74,6 +75,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         module: the model, to register forward pre-hooks for ``overlap_param_sync``.
         fused: take the fused Triton step ([Note: fused step]) where Triton serves (CUDA,
             ``fp8shard.get_triton()``); False: the PyTorch path always (to compare, or to debug).
+        step_kernel: 'auto' (the default: as ``fused`` and Triton say), or force 'reference'
+            (PyTorch ops) or 'fused' (the fused step's orchestration; its PyTorch reference ops
+            where Triton does not serve, e.g. to test it on the CPU). [Note: step kernel]
     """
 
     def __init__(
@@ -96,9 +100,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         delayed_scaling: DelayedScaling | None = None,
         module: nn.Module | None = None,
         fused: bool = True,
+        step_kernel: Literal["auto", "reference", "fused"] = "auto",
     ) -> None:
         if not isinstance(fused, bool):
             raise ValueError(f"fused must be True or False, got {fused!r}")
+        if step_kernel not in ("auto", "reference", "fused"):
+            raise ValueError(f"step_kernel must be 'auto', 'reference' or 'fused', got {step_kernel!r}")
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
@@ -122,17 +129,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         params_by_index = dict(enumerate(self._params))
         self.grad_sync = GradSync(self.regions, params_by_index, self.group, overlap_grad_sync)
         self.param_sync = ParamSync(self.regions, self.group, self._on_params_ready)
-        self._runs = self._adam_runs()
-        self._grads: list[torch.Tensor] | None = None  # fp32 grad shards of this step
-        # The fused step ([Note: fused step]): None lets ``fused`` and use_triton() decide at each
-        # step (tests set True to run its orchestration with the PyTorch reference ops on CPU).
         self.fused = fused
-        self._fused_path: bool | None = None
-        self._fused: FusedStep | None = None  # tile tables, built at the first fused step
+        self.kernel = self._choose_kernel(step_kernel)  # [Note: step kernel], once
+        self._grads: StepGrads | None = None  # this window's reduced gradient, made on first use
         self._ready_slots: dict[tuple[int, ...], torch.Tensor] = {}  # _on_params_ready's indices
-        self._fast = False  # this step's gradients go to the fused step (read in place, no copy)
-        self._grad_coef: torch.Tensor | None = None  # fused step: clip coefficient, applied in-kernel
-        self._stats: tuple[torch.Tensor, bool] | None = None  # (global sum of squares, non-finite)
         if module is not None:
             self.register_module(module)
 
@@ -169,28 +169,23 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             rb.init_master(hp)
             rb.attach(params_by_index)
 
-    def _adam_runs(self) -> list[list[tuple[int, int, int]]]:
-        """Per param group: (region, lo, hi) ranges of the local shards that Adam updates.
+    def _choose_kernel(self, choice: str) -> StepKernel:
+        if choice == "auto":
+            choice = "fused" if self.fused and use_triton(self.regions[0].master) else "reference"
+        group_of = {self._index_of[id(p)]: g for g, grp in enumerate(self.param_groups)
+                    for p in grp["params"]}
+        if choice == "fused":
+            return FusedKernel(self.regions, group_of, self.fp8)
+        return ReferenceKernel(self.regions, group_of, len(self.param_groups), self.fp8)
 
-        Neighbouring pieces of one group merge into one range; what lies between them in the
-        local shard is padding (zero gradient, zero master), which Adam leaves at zero.
-        """
-        group_of = {i: g for g, grp in enumerate(self.param_groups) for i in
-                    (self._index_of[id(p)] for p in grp["params"])}
-        runs: list[list[tuple[int, int, int]]] = [[] for _ in self.param_groups]
-        for ri, rb in enumerate(self.regions):
-            cur: list[int] | None = None  # [group, lo, hi]
-            for pc in sorted(rb.pieces, key=lambda pc: pc.local_offset):
-                g = group_of[pc.param_index]
-                if cur is not None and cur[0] == g:
-                    cur[2] = pc.local_offset + pc.numel
-                    continue
-                if cur is not None:
-                    runs[cur[0]].append((ri, cur[1], cur[2]))
-                cur = [g, pc.local_offset, pc.local_offset + pc.numel]
-            if cur is not None:
-                runs[cur[0]].append((ri, cur[1], cur[2]))
-        return runs
+    @property
+    def _fused(self) -> FusedKernel | None:
+        """The fused kernel (its tile tables) when this optimizer steps with it, else None."""
+        return self.kernel if isinstance(self.kernel, FusedKernel) else None
+
+    def _use_fused(self) -> bool:
+        """Whether this optimizer steps with the fused kernel (for tests and benchmarks)."""
+        return self._fused is not None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_frozen", False):
@@ -217,55 +212,27 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise RuntimeError("overlap_param_sync=True needs forward pre-hooks to wait for the "
                                "parameters: pass module=model or call opt.register_module(model)")
         self.param_sync.wait_all()  # the previous step's gathers, if overlap left them in flight
-        grads = self._reduced_grads()  # 1. wait for the reduce-scatters
-        _, nonfinite, any_grad = self._grad_stats()  # 2. one all-reduce: norm, non-finite, any gradient
+        grads = self._finish_grad_reduction()
         # [Note: step without gradients]: nothing to apply, so nothing changes (torch.optim skips
         # parameters whose .grad is None; here the buckets are shared, so it is all or nothing).
-        self.last_step_skipped = nonfinite or not any_grad
+        self.last_step_skipped = grads.nonfinite or not grads.any_grad
         if not self.last_step_skipped:
             self._step += 1
-            self._update_master(grads)  # 3. Adam(W) on the fp32 master shard
-            self._quantize_shards()  # 4. amax all-reduce, scales, cast my shards
-            self.param_sync.launch_all()  # 5. all-gather every bucket in place
-            if not self.overlap_param_sync:
-                self.param_sync.wait_all()
-        self._grads, self._stats, self._grad_coef = None, None, None
+            self._update_and_cast(grads)
+            self._launch_gathers()
+        self._grads = None
         self.grad_sync.reset()  # the buffers are consumed; next backward starts from zero
         self._last_comm = self._comm.close_window()
         return loss
 
-    def _reduced_grads(self) -> list[torch.Tensor]:
-        """This step's gradients: fp32 copies of the shards, or for the fused step the gradient
-        buffers themselves (its kernel reads this rank's shards in place)."""
-        if self._grads is None:
-            self.grad_sync.finish()
-            self._fast = self._use_fused()
-            self._grad_coef = None
-            if self._fast:
-                self._grads = [rb.grad_buffer for rb in self.regions]
-            else:
-                self._grads = [rb.grad_shard_fp32() for rb in self.regions]
-        return self._grads
+    def _finish_grad_reduction(self) -> StepGrads:
+        """Phase 1: wait for the gradient reduce-scatters and take this rank's shards with their
+        global statistics (made once per accumulation window: ``clip_grad_norm`` and ``step``
+        share it).
 
-    def _use_fused(self) -> bool:
-        if self._fused_path is not None:
-            return self._fused_path
-        return self.fused and use_triton(self.regions[0].master)
-
-    def _fused_step(self) -> FusedStep:
-        if self._fused is None:
-            group_of = {self._index_of[id(p)]: g for g, grp in enumerate(self.param_groups)
-                        for p in grp["params"]}
-            self._fused = FusedStep(self.regions, group_of, self.fp8.slot)
-        return self._fused
-
-    def _grad_stats(self) -> tuple[torch.Tensor, bool, bool]:
-        """(global sum of squares of the averaged gradient, whether it is non-finite, whether
-        any rank accumulated a gradient since the last step or ``zero_grad``).
-
-        One pass and one 8-byte all-reduce: an inf or NaN anywhere makes the sum non-finite on
-        every rank. (A gradient so large that its square overflows fp32, |g| > 1e19, counts as
-        non-finite too.) The second element counts the ranks that received a gradient.
+        One pass over the shards and one 8-byte all-reduce: the sum of squares (an inf or NaN
+        anywhere makes it non-finite on every rank; so does a square that overflows fp32,
+        |g| > 1e19) and the number of ranks that received a gradient.
 
         [Note: step without gradients]
             ``step()`` with no gradient accumulated on any rank since the last ``step()`` or
@@ -276,65 +243,40 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             decision is global (the count rides on the all-reduce above), so ranks stay in step:
             a rank without a gradient while others have one takes part with zeros, as in backward.
         """
-        if self._stats is None:
-            grads = self._reduced_grads()
+        if self._grads is None:
+            self.grad_sync.finish()
+            shards = self.kernel.grad_shards()
             local = torch.zeros(2, dtype=torch.float32, device=self.device)
+            local[0] = self.kernel.grad_sumsq(shards)
             local[1] = float(self.grad_sync.dirty)
-            if self._fast:  # the shards in place, upcast inside the norm kernel
-                shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
-                          for b in rb.layout.buckets]
-                norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
-                local[0] += torch.stack(norms).square().sum()
-            else:
-                for g in grads:
-                    if g.numel():
-                        local[0] += torch.linalg.vector_norm(g).square()
             self.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
-            finite, ranks_with_grads = local.tolist()  # one host sync for both
-            self._stats = (local[0], not math.isfinite(finite), ranks_with_grads > 0)
-        return self._stats
+            sumsq, ranks_with_grads = local.tolist()  # one host sync for both
+            self._grads = StepGrads(shards, local[0], not math.isfinite(sumsq), ranks_with_grads > 0)
+        return self._grads
 
-    def _update_master(self, grads: list[torch.Tensor]) -> None:
-        if self._fast:  # kernel 1: Adam + tile amax (+ the cast when the scales are known)
-            scalars = [AdamScalars.from_group(g, self._step, self.adam_w_mode) for g in self.param_groups]
-            self._fused_step().update(self.regions, scalars, self._grad_coef, self.fp8.known_scales())
-            return
-        for group, runs in zip(self.param_groups, self._runs, strict=True):
-            if not runs:
-                continue
-            rbs = [(self.regions[ri], grads[ri], slice(lo, hi)) for ri, lo, hi in runs]
-            beta1, beta2 = group["betas"]
-            adam_(
-                [rb.master[s] for rb, _, s in rbs], [g[s] for _, g, s in rbs],
-                [rb.exp_avg[s] for rb, _, s in rbs], [rb.exp_avg_sq[s] for rb, _, s in rbs],
-                step=self._step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], decoupled_weight_decay=self.adam_w_mode,
-            )
-
-    def _quantize_shards(self) -> None:
-        """Write this rank's shard of every parameter's bytes from the new master."""
-        scales = self._new_scale_inv
-        if self._fast:  # non-FP8 parameters were written by kernel 1
-            if self.fp8.num_slots:
-                fused = self._fused_step()
-                amax = fused.local_amax(self.fp8.num_slots, self.device)
-                self.group.all_reduce(amax, "max", kind="all_reduce.amax")
-                known = self.fp8.known_scales() is not None
-                scales = self.fp8.cast_scales(amax)
-                self._new_scale_inv = scales.reciprocal()
-                if not known:  # current scaling: kernel 2 casts with this step's scales
-                    fused.cast(self.regions, scales)
-            return
+    def _update_and_cast(self, grads: StepGrads) -> None:
+        """Phase 2: Adam(W) on the master shard, then this rank's shard of every parameter's bytes
+        (FP8: amax, ONE packed all-reduce(MAX), scales; [Note: weight scaling])."""
+        self.kernel.update(grads, self._hyperparams())
+        scales = self._new_scale_inv  # no FP8 parameter: unused
         if self.fp8.num_slots:
-            amax = self.fp8.local_amax(self.regions)
-            self.group.all_reduce(amax, "max", kind="all_reduce.amax")  # [Note: weight scaling]
+            amax = self.kernel.local_amax()
+            self.group.all_reduce(amax, "max", kind="all_reduce.amax")
             scales = self.fp8.cast_scales(amax)
             self._new_scale_inv = scales.reciprocal()
-        for rb in self.regions:
-            if rb.is_fp8:
-                self.fp8.cast_region(rb, scales)
-            else:
-                rb.write_param_shards(rb.master.to(rb.dtype))
+        self.kernel.cast(scales)
+
+    def _hyperparams(self) -> list[AdamScalars]:
+        """This step's hyperparameters, one per param group (read at every step: LR schedules)."""
+        return [AdamScalars(self._step, float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
+                            float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode)
+                for g in self.param_groups]
+
+    def _launch_gathers(self) -> None:
+        """Phase 3: all-gather every bucket in place; wait unless ``overlap_param_sync``."""
+        self.param_sync.launch_all()
+        if not self.overlap_param_sync:
+            self.param_sync.wait_all()
 
     def _on_params_ready(self, indices: list[int]) -> None:
         fp8 = [i for i in indices if isinstance(self._params[i], Float8Tensor)]
@@ -386,14 +328,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if not max_norm >= 0:
                 raise ValueError(f"clip_grad_norm: max_norm must be >= 0 (inf: no clipping), got "
                                  f"{max_norm}: a negative or NaN bound would flip or poison the gradients")
-        sumsq, nonfinite, _ = self._grad_stats()
-        total = sumsq.sqrt()
-        if not nonfinite:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            if self._fast:  # the fused kernel multiplies the gradient by it as it reads it
-                self._grad_coef = coef if self._grad_coef is None else self._grad_coef * coef
-            else:
-                torch._foreach_mul_(self._reduced_grads(), coef)
+        grads = self._finish_grad_reduction()
+        total = grads.sumsq.sqrt()
+        if not grads.nonfinite:
+            self.kernel.clip_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -401,7 +339,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
         if self.grad_sync.dirty or self._grads is not None:
-            self._grads, self._stats, self._grad_coef = None, None, None
+            self._grads = None
             self.grad_sync.reset()
 
     @property

@@ -26,6 +26,10 @@
     implementation (``_*_reference``), used where Triton is not (CPU;
     ``fp8shard.set_triton(False)``), which reproduces what ``adam_``,
     ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
+
+    ``FusedKernel`` (at the end) is the optimizer's step kernel made of these ops
+    ([Note: step kernel] in step_kernel.py): it builds the tile tables once and asks
+    ``use_triton`` once, when the optimizer is built.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import dataclasses
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +47,10 @@ from fp8shard.fp8 import Fp8Format, cast_to_fp8
 from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.layout import ShardPiece
+
+if TYPE_CHECKING:
+    from fp8shard.optim.fp8_weights import Fp8WeightScaler
+    from fp8shard.optim.step_kernel import StepGrads
 
 DEFAULT_BLOCK = 2048
 """Elements per tile (one Triton program). A power of two."""
@@ -175,12 +184,6 @@ class AdamScalars:
     weight_decay: float
     adam_w_mode: bool = True
 
-    @classmethod
-    def from_group(cls, group: Mapping, step: int, adam_w_mode: bool) -> AdamScalars:
-        beta1, beta2 = group["betas"]
-        return cls(step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                   float(group["weight_decay"]), adam_w_mode)
-
     @property
     def wd_mode(self) -> int:
         """0: no weight decay, 1: decoupled (AdamW), 2: L2 added to the gradient."""
@@ -218,6 +221,7 @@ def adam_tiles_(
     scale: torch.Tensor | None = None,
     partial_amax: torch.Tensor | None = None,
     fused_reference: bool | None = None,
+    triton: bool | None = None,
 ) -> None:
     """Kernel 1 on one region: Adam(W) on every tile, reading the gradient from ``rb.grad_buffer``.
 
@@ -226,7 +230,8 @@ def adam_tiles_(
     OUT_AMAX_CAST write ``partial_amax[tile]`` (fp32, one per tile) and, for OUT_AMAX_CAST, the
     FP8 bytes with ``scale[slot]``; OUT_PARAM writes the parameter shard in the buffer's dtype.
     ``fused_reference`` is passed to ``adam_`` as ``fused`` on the reference path (None: its
-    default, which is what the optimizer runs without Triton).
+    default, which is what the optimizer runs without Triton). ``triton``: run the Triton kernel
+    (True) or the reference ops (False); None asks ``use_triton`` (the optimizer decides once).
     """
     if out_mode in (OUT_AMAX, OUT_AMAX_CAST) and (partial_amax is None or not rb.is_fp8):
         raise ValueError("the amax modes are for FP8 regions and need partial_amax")
@@ -236,7 +241,7 @@ def adam_tiles_(
         raise ValueError("OUT_PARAM is for non-FP8 regions")
     if table.num_tiles == 0:
         return
-    if use_triton(rb.master):
+    if use_triton(rb.master) if triton is None else triton:
         from fp8shard.optim import triton_adam
 
         fmt = Fp8Format.parse(rb.dtype) if rb.is_fp8 else None
@@ -249,14 +254,15 @@ def adam_tiles_(
     _adam_reference(rb, table, scalars, out_mode, grad_scale, scale, partial_amax, fused_reference)
 
 
-def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor) -> None:
-    """Kernel 2 on one FP8 region: this rank's FP8 bytes from the master, ``scale[slot]`` per tile."""
+def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton: bool | None = None) -> None:
+    """Kernel 2 on one FP8 region: this rank's FP8 bytes from the master, ``scale[slot]`` per tile.
+    ``triton`` as for ``adam_tiles_``."""
     if not rb.is_fp8:
         raise ValueError("cast_tiles_ is for FP8 regions")
     if table.num_tiles == 0:
         return
     fmt = Fp8Format.parse(rb.dtype)
-    if use_triton(rb.master):
+    if use_triton(rb.master) if triton is None else triton:
         from fp8shard.optim import triton_adam
 
         triton_adam.launch_cast(rb.master, rb.param_buffer, table, scale, fmt)
@@ -311,33 +317,60 @@ def _cast_reference(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, fm
 
 
 # ============================================================================ the optimizer's use
-class FusedStep:
-    """The tile tables and partial-amax buffers of every region; built once per optimizer."""
+class FusedKernel:
+    """The step kernel ([Note: step kernel] in step_kernel.py) of the fused step: kernel 1 and 2
+    over the tile tables of every region (built once, here), Triton or the reference ops as
+    ``use_triton`` says at construction.
+
+    The gradient is read in place from the bucket buffers (``grad_sync_dtype``, no fp32 copy);
+    clipping records a coefficient that kernel 1 applies as it reads. Kernel 1 also writes the
+    non-FP8 parameters, and with delayed scaling (scales known before the amax) the FP8 bytes.
+    """
 
     def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
-                 slot_of: Mapping[int, int], block: int = DEFAULT_BLOCK) -> None:
-        self.tables = [build_tile_table(rb.pieces, group_of, slot_of if rb.is_fp8 else {}, block,
-                                        rb.master.device) for rb in regions]
+                 scaler: Fp8WeightScaler, block: int = DEFAULT_BLOCK) -> None:
+        self.regions = list(regions)
+        self.fp8 = scaler
+        self.device = self.regions[0].master.device
+        self.triton = use_triton(self.regions[0].master)
+        self.tables = [build_tile_table(rb.pieces, group_of, scaler.slot if rb.is_fp8 else {}, block,
+                                        rb.master.device) for rb in self.regions]
         self.partials = [torch.zeros(t.num_tiles, dtype=torch.float32, device=rb.master.device)
-                         if rb.is_fp8 else None for rb, t in zip(regions, self.tables, strict=True)]
+                         if rb.is_fp8 else None for rb, t in zip(self.regions, self.tables, strict=True)]
+        # This rank's shard of every bucket, viewed in the grad buffers (which never move).
+        self._grad_shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
+                             for b in rb.layout.buckets]
 
-    def update(self, regions: Sequence[RegionBuffers], scalars: Sequence[AdamScalars],
-               grad_scale: torch.Tensor | None, known_scale: torch.Tensor | None) -> None:
-        """Kernel 1 on every region. ``known_scale``: the FP8 scales of this step when they are
-        known before its amax (delayed scaling): the cast then happens in the same pass."""
-        for rb, table, partial in zip(regions, self.tables, self.partials, strict=True):
+    def grad_shards(self) -> list[torch.Tensor]:
+        return list(self._grad_shards)
+
+    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        # The 16-bit shards in place, upcast inside the norm kernel.
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total += torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
+        return total
+
+    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
+        grads.coef = coef if grads.coef is None else grads.coef * coef
+
+    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
+        """Kernel 1 on every region (and the cast, when the scales are known before the amax)."""
+        known = self.fp8.known_scales()
+        for rb, table, partial in zip(self.regions, self.tables, self.partials, strict=True):
             if rb.is_fp8:
-                mode = OUT_AMAX if known_scale is None else OUT_AMAX_CAST
+                mode = OUT_AMAX if known is None else OUT_AMAX_CAST
             else:
                 mode = OUT_PARAM
-            adam_tiles_(rb, table, scalars, out_mode=mode, grad_scale=grad_scale, scale=known_scale,
-                        partial_amax=partial)
+            adam_tiles_(rb, table, hps, out_mode=mode, grad_scale=grads.coef, scale=known,
+                        partial_amax=partial, triton=self.triton)
 
-    def local_amax(self, num_slots: int, device: torch.device) -> torch.Tensor:
-        return slot_amax(self.tables, self.partials, num_slots, device)
+    def local_amax(self) -> torch.Tensor:
+        return slot_amax(self.tables, self.partials, self.fp8.num_slots, self.device)
 
-    def cast(self, regions: Sequence[RegionBuffers], scales: torch.Tensor) -> None:
-        """Kernel 2 on every FP8 region (current scaling, after the amax all-reduce)."""
-        for rb, table in zip(regions, self.tables, strict=True):
+    def cast(self, scales: torch.Tensor) -> None:
+        """Kernel 2 on every FP8 region (current scaling; delayed scaling cast in kernel 1)."""
+        if self.fp8.known_scales() is not None:
+            return
+        for rb, table in zip(self.regions, self.tables, strict=True):
             if rb.is_fp8:
-                cast_tiles_(rb, table, scales)
+                cast_tiles_(rb, table, scales, triton=self.triton)

@@ -61,6 +61,9 @@ class GradSync:
         # Expected completion order: a bucket is done when its lowest-index (last in backward)
         # parameter arrives. Ties (several regions) break by key: the same on every rank.
         self.order = sorted(self.bucket_params, key=lambda k: (-min(self.bucket_params[k]), k))
+        # Each bucket's (this rank's shard, whole bucket) of the grad buffer, which never moves.
+        self._views = {k: (regions[k[0]].shard(regions[k[0]].grad_buffer, k[1]),
+                           regions[k[0]].bucket(regions[k[0]].grad_buffer, k[1])) for k in self.order}
         self.handles: dict[BucketKey, Handle] = {}
         self.missing: dict[BucketKey, set[int]] = {}
         self.reset()
@@ -113,11 +116,8 @@ class GradSync:
 
     def _launch(self, key: BucketKey) -> None:
         self._next += 1
-        ri, b = key
-        rb = self.regions[ri]
-        bucket = rb.bucket(rb.grad_buffer, b)
-        self.handles[key] = self.group.reduce_scatter_avg(
-            rb.shard(rb.grad_buffer, b), bucket, kind="reduce_scatter.grads")
+        shard, bucket = self._views[key]
+        self.handles[key] = self.group.reduce_scatter_avg(shard, bucket, kind="reduce_scatter.grads")
 
     def finish(self) -> None:
         """Launch every bucket not yet launched (in order), then wait for all of them."""
@@ -149,15 +149,16 @@ class ParamSync:
         for i, (_, keys) in self.where.items():
             for k in keys:
                 self.bucket_params.setdefault(k, []).append(i)
+        # (bucket, its view of the parameter buffer, collective kind), in launch order.
+        self._gathers = [((ri, b.index), rb.bucket(rb.param_buffer, b.index),
+                          "all_gather.params." + str(rb.dtype).removeprefix("torch."))
+                         for ri, rb in enumerate(regions) for b in rb.layout.buckets]
         self.pending: dict[BucketKey, Handle] = {}
         self.modules: list[RemovableHandle] = []
 
     def launch_all(self) -> None:
-        for ri, rb in enumerate(self.regions):
-            dtype = str(rb.dtype).removeprefix("torch.")
-            for b in rb.layout.buckets:
-                self.pending[(ri, b.index)] = self.group.all_gather_inplace(
-                    rb.bucket(rb.param_buffer, b.index), kind=f"all_gather.params.{dtype}")
+        for key, bucket, kind in self._gathers:
+            self.pending[key] = self.group.all_gather_inplace(bucket, kind=kind)
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
         ready: list[int] = []
