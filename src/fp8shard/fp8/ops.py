@@ -161,3 +161,31 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     data = func(t._data, **kwargs)
     scale_inv = torch.ones((), dtype=torch.float32, device=data.device)
     return Float8Tensor(data, scale_inv, t._fp8_format, dtype)
+
+
+# ---------------------------------------------------------------------------- FSDP2 sharding
+# fully_shard cuts a weight with torch.chunk (split), pads the shard (new_zeros + narrow, i.e.
+# slice, + copy_) and views it flat: with these the shard stays FP8 ([Note: FSDP2 extension]).
+@implements([aten.split.Tensor, aten.split_with_sizes.default])
+def _split(func: Any, args: tuple, kwargs: dict) -> list[Float8Tensor]:
+    t = args[0]
+    return [t._rewrap(d) for d in func(t._data, *args[1:], **kwargs)]
+
+
+@implements([aten.slice.Tensor])
+def _slice(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    t = args[0]
+    return t._rewrap(func(t._data, *args[1:], **kwargs))
+
+
+@implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """New FP8 bytes (zeros, or uninitialized) with a copy of the scale, so a shard padded or
+    created empty by FSDP2 carries the same scale as its neighbours."""
+    t = args[0]
+    dtype = kwargs.pop("dtype", None) or t.dtype
+    if not dtype.is_floating_point:
+        return func(t.dequantize(), *args[1:], dtype=dtype, **kwargs)
+    kwargs.pop("layout", None)
+    data = func(t._data, *args[1:], **kwargs)
+    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_format, dtype)
