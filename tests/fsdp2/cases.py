@@ -8,8 +8,6 @@ see the same data at any world size.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -17,7 +15,8 @@ import fp8shard as fs
 from fp8shard.fp8 import Float8Tensor
 from fp8shard.models import GPT
 from fp8shard.optim import DistributedFusedAdam
-from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model
+from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model, local_shard
+from fp8shard.testing.fsdp_wire import count_fsdp_wire
 from fp8shard.train.builders import build_model, param_groups
 from fp8shard.train.config import load_config
 
@@ -27,15 +26,16 @@ OVERRIDES = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_siz
              "model.fp8_params=true", "trainer.precision=bf16-mixed", "model.params_dtype=bf16"]
 
 
-def make_model() -> GPT:
-    cfg = load_config(OVERRIDES, validate_cfg=False)
+def make_model(params_dtype: str = "bf16") -> GPT:
+    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
     return build_model(cfg, VOCAB, torch.device("cpu"))
 
 
-def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2) -> torch.optim.Optimizer:
+def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
+             grad_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
     groups = param_groups(model, 0.1)
     if engine == "flat":
-        return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1)
+        return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1, grad_sync_dtype=grad_dtype)
     return FSDP2Adam(groups, lr=lr, weight_decay=0.1)
 
 
@@ -46,7 +46,8 @@ def shard(model: GPT, replicate: int = 1) -> GPT:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s global batch (the same global batch at any world size)."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    tokens = (start + 3 * torch.arange(SEQ + 1)) % VOCAB  # learnable: each token predicts the next
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = GLOBAL_BATCH // world
     mine = tokens[rank * rows:(rank + 1) * rows]
@@ -72,43 +73,103 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
     return losses
 
 
-def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0) -> list[float]:
+def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
+               params_dtype: str = "bf16") -> list[float]:
+    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(params_dtype)
     if engine == "fsdp2":
         shard(model, replicate)
-    opt = make_opt(model, engine)
+    opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16)
     return train_steps(model, opt, range(steps), clip)
 
 
 def fp8_numel(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters()
-               if isinstance(p.to_local() if hasattr(p, "to_local") else p, Float8Tensor))
+    return sum(p.numel() for p in model.parameters() if isinstance(local_shard(p), Float8Tensor))
 
 
 def memory_per_fp8_elem(steps: int = 2) -> dict[str, float]:
+    """Persistent bytes per FP8 weight element on this rank, after a backward (gradients held)."""
     model = shard(make_model())
     opt = make_opt(model, "fsdp2")
     train_steps(model, opt, range(steps))
     x, y = batch(steps)
-    with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
+    with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()), torch.autocast("cpu", torch.bfloat16):
         model(x, y).backward()  # the gradient shards exist until the next step
-    rep = opt.memory_report()
-    n = fp8_numel(model)
-    # Count only the FP8 weights' own bytes (the report covers all parameters).
-    fp8_bytes = {"weights": 0, "grads": 0, "master": 0, "states": 0}
+    parts = {"weights": 0, "grads": 0, "master": 0, "states": 0}
     for i, p in enumerate(opt._params):
-        local = p.to_local()
+        local = local_shard(p)
         if isinstance(local, Float8Tensor):
-            fp8_bytes["weights"] += local.numel()
-            fp8_bytes["grads"] += p.grad.to_local().numel() * p.grad.to_local().element_size()
-            fp8_bytes["master"] += opt.master[i].numel() * 4
-            fp8_bytes["states"] += opt.exp_avg[i].numel() * 4 * 2
-    out = {k: v / n for k, v in fp8_bytes.items()}
-    out["report_total"] = rep["total"]
+            grad = local_shard(p.grad)
+            parts["weights"] += local.numel() * local.fp8_data.element_size()
+            parts["grads"] += grad.numel() * grad.element_size()
+            parts["master"] += opt.master[i].numel() * opt.master[i].element_size()
+            parts["states"] += 2 * opt.exp_avg[i].numel() * opt.exp_avg[i].element_size()
+    n = fp8_numel(model)
+    out = {k: v / n for k, v in parts.items()}
     out["world"] = dist.get_world_size()
+    out["report_fp8_weights"] = opt.memory_report()["fp8_weights"] / n
+    # What stays allocated of the unsharded weights between steps: FSDP2 frees the gathered
+    # bytes after backward (storage resized to 0).
+    out["unsharded_bytes"] = sum(
+        fp.all_gather_outputs[0].untyped_storage().nbytes()
+        for m in model.modules() if hasattr(m, "_get_fsdp_state")
+        for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+        if fp.all_gather_outputs)
     return out
 
 
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=0, abs_tol=0)
+class Fp8Stack(torch.nn.Module):
+    """FP8 weights only (no bias, no norm): every gathered byte is an FP8 weight's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with fs.fp8_model_init(enabled=True):
+            self.layers = torch.nn.ModuleList([fs.nn.Linear(64, 128, bias=False),
+                                               fs.nn.Linear(128, 64, bias=False),
+                                               fs.nn.Linear(64, 64, bias=False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str, float]:
+    """All-gather bytes per FP8 weight element per gather, counted on the wire."""
+    model = Fp8Stack()
+    fully_shard_model(model, default_mesh(), reshard_after_forward=reshard_after_forward)
+    count = count_fsdp_wire(model)
+    opt = FSDP2Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g)
+        with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    n = fp8_numel(model)
+    gathers = count.calls_total("all_gather")
+    return {"bytes_per_elem_per_step": count.total("all_gather") / (n * steps),
+            "gathers": gathers, "keys": sorted(count.bytes),
+            "reduce_scatter_bytes_per_elem_per_step": count.total("reduce_scatter") / (n * steps)}
+
+
+def hsdp_shards_agree(steps: int = 3) -> bool:
+    """HSDP (replicate x shard): after training, the two replicas of each shard hold the same
+    bytes and master (checked by comparing with the replica partner through the replicate group)."""
+    model = shard(make_model(), replicate=2)
+    opt = make_opt(model, "fsdp2")
+    train_steps(model, opt, range(steps))
+    rep_group = next(iter(model.parameters())).device_mesh.get_group(0)  # the replicate dimension
+    ok = True
+    for i, p in enumerate(opt._params):
+        local = local_shard(p)
+        mine = local.uint8_view().float() if isinstance(local, Float8Tensor) else local.float()
+        both = [torch.empty_like(mine.reshape(-1)) for _ in range(2)]
+        dist.all_gather(both, mine.reshape(-1).contiguous(), group=rep_group)
+        m2 = [torch.empty_like(opt.master[i]) for _ in range(2)]
+        dist.all_gather(m2, opt.master[i], group=rep_group)
+        ok = ok and torch.equal(both[0], both[1]) and torch.equal(m2[0], m2[1])
+    return ok

@@ -34,6 +34,9 @@ class WireCount:
     def total(self, kind: str) -> int:
         return sum(v for k, v in self.bytes.items() if k.startswith(kind + "."))
 
+    def calls_total(self, kind: str) -> int:
+        return sum(v for k, v in self.calls.items() if k.startswith(kind + "."))
+
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
