@@ -15,7 +15,7 @@ import fp8shard as fs
 from fp8shard.fp8 import Float8Tensor
 from fp8shard.models import GPT
 from fp8shard.optim import DistributedFusedAdam
-from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model, local_shard
+from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model, local_shard, shard_rows
 from fp8shard.testing.fsdp_wire import count_fsdp_wire
 from fp8shard.train.builders import build_model, param_groups
 from fp8shard.train.config import load_config
@@ -173,3 +173,76 @@ def hsdp_shards_agree(steps: int = 3) -> bool:
         dist.all_gather(m2, opt.master[i], group=rep_group)
         ok = ok and torch.equal(both[0], both[1]) and torch.equal(m2[0], m2[1])
     return ok
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _full(pieces: list[tuple[int, torch.Tensor]], numel: int) -> torch.Tensor:
+    """A flattened tensor from every rank's (offset, values) pieces."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [(o, t.detach().clone()) for o, t in pieces])
+    out = torch.full((numel,), float("nan"))
+    for part in everyone:
+        for o, t in part:
+            out[o:o + t.numel()] = t.float().reshape(-1)
+    return out
+
+
+def model_space_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of every parameter's full master, moments, FP8 bytes and scale, and of each
+    non-FP8 weight: the same for both engines at any world size when the states are equal."""
+    ssd = opt.sharded_state_dict()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, p in enumerate(opt._params):
+        name, numel = by_id[id(p)], p.numel()
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            full = _full([(int(e["offset"]), e[k]) for e in ssd["state"].get(i, [])], numel)
+            out[f"{name}/{k}"] = _sha(full)
+        if hasattr(p, "device_mesh"):
+            start, rows = shard_rows(p)
+            local = local_shard(p)
+            row = p.numel() // p.shape[0] if p.dim() else 1
+            values = local.uint8_view() if isinstance(local, Float8Tensor) else local.detach()
+            full = _full([(start * row, values.float())] if rows else [], numel)
+        else:
+            values = p.uint8_view() if isinstance(p, Float8Tensor) else p.detach()
+            full = values.float().reshape(-1)
+        out[f"{name}/weight"] = _sha(full)
+        if i in ssd["fp8"]:
+            out[f"{name}/scale"] = _sha(ssd["fp8"][i]["scale"].reshape(1))
+    return out
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def build(engine: str, params_dtype: str = "bf16") -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = make_model(params_dtype)
+    if engine == "fsdp2":
+        shard(model)
+    return model, make_opt(model, engine)
+
+
+def save_after(engine: str, path: str, steps: int, more: int) -> tuple[dict[str, str], list[float]]:
+    """Train ``steps``, save a checkpoint (its digest), train ``more`` (their losses)."""
+    from fp8shard.checkpoint import save_checkpoint
+
+    model, opt = build(engine)
+    train_steps(model, opt, range(steps))
+    save_checkpoint(path, model, opt, step=steps)
+    digest = model_space_digest(model, opt)
+    return digest, train_steps(model, opt, range(steps, steps + more))
+
+
+def load_and_continue(engine: str, path: str, more: int) -> tuple[dict[str, str], list[float], int]:
+    """Load the checkpoint into a fresh model and optimizer of ``engine``; (digest, losses, step)."""
+    from fp8shard.checkpoint import load_checkpoint
+
+    model, opt = build(engine)
+    info = load_checkpoint(path, model, opt)
+    digest = model_space_digest(model, opt)
+    return digest, train_steps(model, opt, range(info.step, info.step + more)), info.world_size
