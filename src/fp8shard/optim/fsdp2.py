@@ -127,6 +127,7 @@ class FSDP2Adam(torch.optim.Optimizer):
 
     Build it on a model after :func:`fully_shard_model` (its parameters are DTensors). Same
     arguments and meaning as ``DistributedFusedAdam`` where they apply; see [Note: FSDP2 engine].
+    ``module``: the fully_shard-ed model, for ``no_sync()`` (gradient accumulation).
     """
 
     def __init__(
@@ -141,6 +142,7 @@ class FSDP2Adam(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.float32,
         fp8_weight_scaling: ScalingMode = "current",
         delayed_scaling: DelayedScaling | None = None,
+        module: nn.Module | None = None,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
@@ -153,6 +155,7 @@ class FSDP2Adam(torch.optim.Optimizer):
         self._check_sharded()
         self.adam_w_mode = adam_w_mode
         self.state_dtype = state_dtype
+        self.module = module  # the fully_shard-ed model, for no_sync
         self.last_step_skipped = False
         self._step = 0
         self.group = _shard_group(self._params[0])
@@ -277,10 +280,16 @@ class FSDP2Adam(torch.optim.Optimizer):
     # ================================================================== gradients
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation is FSDP2's (``model.set_requires_gradient_sync``); refused here."""
-        raise NotImplementedError("FSDP2Adam.no_sync: accumulate with model.set_requires_gradient_sync"
-                                  "(False) on the fully_shard-ed model instead")
-        yield  # pragma: no cover
+        """Backward passes in here keep their unsharded gradients (no reduce-scatter); the next
+        one outside reduces the sum (FSDP2's ``set_requires_gradient_sync``). Needs ``module=``."""
+        if self.module is None or not hasattr(self.module, "set_requires_gradient_sync"):
+            raise RuntimeError("FSDP2Adam.no_sync needs the fully_shard-ed model: pass "
+                               "FSDP2Adam(..., module=model)")
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so their global L2 norm is at most ``max_norm``; returns the
