@@ -141,7 +141,7 @@ def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str,
     model = Fp8Stack()
     fully_shard_model(model, default_mesh(), reshard_after_forward=reshard_after_forward)
     count = count_fsdp_wire(model)
-    opt = FSDP2Adam(model.parameters(), lr=1e-3)
+    opt = FSDP2Adam(model.parameters(), lr=1e-3, module=model, count_comm=True)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
         x = torch.randn(32, 64, generator=g)
@@ -150,10 +150,11 @@ def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str,
         opt.step()
         opt.zero_grad()
     n = fp8_numel(model)
-    gathers = count.calls_total("all_gather")
-    return {"bytes_per_elem_per_step": count.total("all_gather") / (n * steps),
+    gathers = count.calls_total("all_gather.params")
+    return {"bytes_per_elem_per_step": count.total("all_gather.params") / (n * steps),
             "gathers": gathers, "keys": sorted(count.bytes),
-            "reduce_scatter_bytes_per_elem_per_step": count.total("reduce_scatter") / (n * steps)}
+            "reduce_scatter_bytes_per_elem_per_step": count.total("reduce_scatter.grads") / (n * steps),
+            "report": opt.comm_report(), "n": n}
 
 
 def hsdp_shards_agree(steps: int = 3) -> bool:

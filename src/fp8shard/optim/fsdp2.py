@@ -127,7 +127,8 @@ class FSDP2Adam(torch.optim.Optimizer):
 
     Build it on a model after :func:`fully_shard_model` (its parameters are DTensors). Same
     arguments and meaning as ``DistributedFusedAdam`` where they apply; see [Note: FSDP2 engine].
-    ``module``: the fully_shard-ed model, for ``no_sync()`` (gradient accumulation).
+    ``module``: the fully_shard-ed model, for ``no_sync()`` (gradient accumulation) and, with
+    ``count_comm=True``, to count FSDP2's all-gathers and reduce-scatters in ``comm_report()``.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class FSDP2Adam(torch.optim.Optimizer):
         fp8_weight_scaling: ScalingMode = "current",
         delayed_scaling: DelayedScaling | None = None,
         module: nn.Module | None = None,
+        count_comm: bool = False,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
@@ -156,6 +158,14 @@ class FSDP2Adam(torch.optim.Optimizer):
         self.adam_w_mode = adam_w_mode
         self.state_dtype = state_dtype
         self.module = module  # the fully_shard-ed model, for no_sync
+        if count_comm and module is None:
+            raise ValueError("FSDP2Adam(count_comm=True) counts the model's FSDP2 collectives: pass "
+                             "module=model as well")
+        self._wire = None
+        if count_comm:
+            from fp8shard.optim.fsdp2_comm import count_fsdp_wire
+
+            self._wire = count_fsdp_wire(module)
         self.last_step_skipped = False
         self._step = 0
         self.group = _shard_group(self._params[0])
@@ -211,6 +221,8 @@ class FSDP2Adam(torch.optim.Optimizer):
             self._write_shards()  # 4. amax all-reduce, scales, cast into the local bytes
         self._grads, self._stats = None, None
         self._last_comm = self._comm.close_window()
+        if self._wire is not None:  # FSDP2's gathers and reduce-scatters since the last step
+            self._last_comm.update(self._wire.close_window())
         return loss
 
     def _local_grads(self) -> list[torch.Tensor]:
@@ -391,7 +403,8 @@ class FSDP2Adam(torch.optim.Optimizer):
         return out
 
     def comm_report(self) -> dict[str, int]:
-        """Bytes of the optimizer's own collectives in the last step (FSDP2's all-gathers and
-        reduce-scatters are FSDP2's; ``fp8shard.testing.fsdp_wire`` counts them)."""
+        """Bytes per collective kind in the last step, per rank: the optimizer's all-reduces and,
+        with ``count_comm=True``, FSDP2's parameter all-gathers (``all_gather.params.uint8`` for
+        FP8 bytes) and gradient reduce-scatters since the previous step (optim/fsdp2_comm.py)."""
         return dict(self._last_comm)
 

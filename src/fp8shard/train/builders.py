@@ -230,7 +230,8 @@ def build_optimizer(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[torch.
 
         fully_shard_model(model, default_mesh(cfg.trainer.hsdp_replicate))
         opt = FSDP2Adam(param_groups(model, o.weight_decay), lr=o.lr, betas=betas, eps=o.eps,
-                        weight_decay=o.weight_decay, state_dtype=_DTYPES[o.state_dtype], module=model)
+                        weight_decay=o.weight_decay, state_dtype=_DTYPES[o.state_dtype], module=model,
+                        count_comm=True)
         return opt, model
     groups = param_groups(model, o.weight_decay)
     if o.name == "distributed_fused_adam":
