@@ -113,9 +113,21 @@ def memory_per_fp8_elem(steps: int = 2) -> dict[str, float]:
     # bytes after backward (storage resized to 0).
     out["unsharded_bytes"] = sum(
         fp.all_gather_outputs[0].untyped_storage().nbytes()
-        for m in model.modules() if hasattr(m, "_get_fsdp_state")
-        for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
-        if fp.all_gather_outputs)
+        for g in _param_groups(model) for fp in g.fsdp_params if fp.all_gather_outputs)
+    return out
+
+
+def _param_groups(model: torch.nn.Module) -> list:
+    """FSDP2's parameter groups (torch 2.13: a list per module; earlier: one or None)."""
+    out = []
+    for m in model.modules():
+        if hasattr(m, "_get_fsdp_state"):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
+            out.extend(groups)
     return out
 
 
