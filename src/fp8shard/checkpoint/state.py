@@ -126,10 +126,18 @@ def _copy_into_shard(param: torch.Tensor, value: torch.Tensor) -> None:
     """Copy this rank's rows of the full ``value`` into a sharded parameter's local shard."""
     start, rows = shard_rows(param)
     local = local_shard(param)
-    if rows:
+    if isinstance(local, Float8Tensor) and isinstance(value, Float8Tensor):
+        # Bytes and scale, bit-exact (an empty shard still carries the scale).
+        local.fp8_data.copy_(value.fp8_data[start:start + rows])
+        local.scale_inv.copy_(value.scale_inv)
+        local.mark_bytes_changed()
+    elif isinstance(local, Float8Tensor):
+        # A high-precision checkpoint into FP8 shards: one scale for the whole weight, from its
+        # global amax (current scaling per shard would give every rank its own scale).
+        whole = Float8Tensor.quantize(value, local.fp8_format)
+        _copy_into_shard(param, whole)
+    elif rows:
         local.copy_(value[start:start + rows])
-    elif isinstance(local, Float8Tensor) and isinstance(value, Float8Tensor):
-        local._scale_inv.copy_(value._scale_inv)  # an empty shard still carries the scale
 
 
 def model_keys(name: str, entry: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
