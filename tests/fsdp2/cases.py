@@ -26,9 +26,16 @@ OVERRIDES = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_siz
              "model.fp8_params=true", "trainer.precision=bf16-mixed", "model.params_dtype=bf16"]
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL (the @gpu tests), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def make_model(params_dtype: str = "bf16") -> GPT:
     cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
-    return build_model(cfg, VOCAB, torch.device("cpu"))
+    return build_model(cfg, VOCAB, device())
 
 
 def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
@@ -50,7 +57,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = (start + 3 * torch.arange(SEQ + 1)) % VOCAB  # learnable: each token predicts the next
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = GLOBAL_BATCH // world
-    mine = tokens[rank * rows:(rank + 1) * rows]
+    mine = tokens[rank * rows:(rank + 1) * rows].to(device())
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -60,7 +67,7 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
     recipe = fs.DelayedScaling()
     for step in steps:
         x, y = batch(step)
-        with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast("cpu", torch.bfloat16):
+        with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast(x.device.type, torch.bfloat16):
             loss = model(x, y)
         loss.backward()
         if clip:
@@ -137,7 +144,7 @@ class Fp8Stack(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        with fs.fp8_model_init(enabled=True):
+        with fs.fp8_model_init(enabled=True), torch.device(device()):
             self.layers = torch.nn.ModuleList([fs.nn.Linear(64, 128, bias=False),
                                                fs.nn.Linear(128, 64, bias=False),
                                                fs.nn.Linear(64, 64, bias=False)])
@@ -156,7 +163,7 @@ def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str,
     opt = FSDP2Adam(model.parameters(), lr=1e-3, module=model, count_comm=True)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        x = torch.randn(32, 64, generator=g)
+        x = torch.randn(32, 64, generator=g).to(device())
         with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
             model(x).float().square().mean().backward()
         opt.step()
