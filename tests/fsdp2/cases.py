@@ -39,11 +39,12 @@ def make_model(params_dtype: str = "bf16") -> GPT:
 
 
 def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
-             grad_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
+             grad_dtype: torch.dtype = torch.bfloat16, scaling: str = "current") -> torch.optim.Optimizer:
     groups = param_groups(model, 0.1)
     if engine == "flat":
-        return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1, grad_sync_dtype=grad_dtype)
-    return FSDP2Adam(groups, lr=lr, weight_decay=0.1)
+        return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1, grad_sync_dtype=grad_dtype,
+                                    fp8_weight_scaling=scaling)
+    return FSDP2Adam(groups, lr=lr, weight_decay=0.1, fp8_weight_scaling=scaling)
 
 
 def shard(model: GPT, replicate: int = 1) -> GPT:
@@ -81,13 +82,14 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
 
 
 def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
-               params_dtype: str = "bf16") -> list[float]:
+               params_dtype: str = "bf16", scaling: str = "current") -> list[float]:
     """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
     torch.manual_seed(0)
     model = make_model(params_dtype)
     if engine == "fsdp2":
         shard(model, replicate)
-    opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16)
+    opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,
+                   scaling=scaling)
     return train_steps(model, opt, range(steps), clip)
 
 

@@ -39,6 +39,15 @@ def test_losses_match_flat_engine_4_ranks(dist_pools):
     assert fsdp2[-1] < fsdp2[0] - 1.0
 
 
+def test_losses_match_with_delayed_weight_scaling(dist_pools):
+    """fp8_weight_scaling='delayed' (the weights' amax history): the same scaler, the same losses."""
+    pool = dist_pools(2)
+    flat = pool.run(cases.run_losses, "flat", 8, scaling="delayed")[0]
+    fsdp2 = pool.run(cases.run_losses, "fsdp2", 8, scaling="delayed")[0]
+    assert fsdp2 == flat
+    assert fsdp2 != pool.run(cases.run_losses, "fsdp2", 8)[0]  # delayed differs from current
+
+
 def test_losses_match_with_clipping(dist_pools):
     """With gradient clipping the norm is summed in another order (per parameter shard, not per
     bucket): the clip coefficients differ in the last bits, which may flip an FP8 byte; the
