@@ -58,9 +58,9 @@ def default_mesh(replicate: int = 1) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("the FSDP2 engine needs an initialized process group (torchrun, or "
-                           "dist.init_process_group); a single process trains with the flat engine "
-                           "(model.optim.name=distributed_fused_adam)")
+        raise RuntimeError("the FSDP2 engine needs an initialized process group (launch with torchrun, "
+                           "or call dist.init_process_group first); one process trains with the flat "
+                           "engine (DistributedFusedAdam, trainer.strategy=flat)")
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(f"HSDP replicate size {replicate} must be >= 1 and divide the world size {world}")
