@@ -242,11 +242,12 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def build(engine: str, params_dtype: str = "bf16") -> tuple[GPT, torch.optim.Optimizer]:
+    """``engine``: flat, fsdp2, or hsdp (2 replicas)."""
     torch.manual_seed(0)
     model = make_model(params_dtype)
-    if engine == "fsdp2":
-        shard(model)
-    return model, make_opt(model, engine)
+    if engine in ("fsdp2", "hsdp"):
+        shard(model, replicate=2 if engine == "hsdp" else 1)
+    return model, make_opt(model, "flat" if engine == "flat" else "fsdp2")
 
 
 def save_after(engine: str, path: str, steps: int, more: int) -> tuple[dict[str, str], list[float]]:

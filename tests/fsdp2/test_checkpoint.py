@@ -19,6 +19,7 @@ dist_pools = pools_fixture("gloo")
     ("flat", 2, "fsdp2", 4),
     ("fsdp2", 4, "flat", 2),
     ("fsdp2", 2, "fsdp2", 4),
+    ("hsdp", 4, "flat", 2),
 ])
 def test_cross_resume(dist_pools, tmp_path, src, src_world, dst, dst_world):
     path = str(tmp_path / "step_00000003")
