@@ -1,19 +1,23 @@
 """Forward + backward of one linear layer: fp8shard FP8 vs bf16 ``nn.Linear`` (vs torchao).
 
     python benchmarks/bench_linear.py [--device cpu|cuda] [--quick] [--no-compile] [--out FILE.json]
+                                      [--tokens N] [--variants "fp8 current,fp8 delayed"]
 
 Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 tokens,
-256->512 and 512->256 (CPU-sized). Every variant computes in bf16 inputs and weights:
+256->512 and 512->256 (CPU-sized); ``--tokens`` changes the token count only (the FFN's
+weights at fewer tokens: its SQNR figures on a CPU). Every variant computes in bf16 inputs and weights:
   bf16             torch.nn.Linear
   fp8 current      fp8shard.nn.Linear, bf16 weight, CurrentScaling
-  fp8 delayed      fp8shard.nn.Linear, bf16 weight, DelayedScaling (one autocast per step,
-                   so each step also updates the amax history)
+  fp8 delayed      fp8shard.nn.Linear, bf16 weight, DelayedScaling (AmaxSync.step() after
+                   each backward, so each step also updates the amax history)
   fp8 params       fp8shard.nn.Linear built in fp8_model_init (E4M3 weight), CurrentScaling
   torchao          torchao.float8 Float8Linear, tensorwise scaling (if torchao imports)
 each eager and under ``torch.compile``. A step is forward, backward (grads of input and
 weight) and ``zero_grad``; the time is the median over repetitions (CUDA events on a GPU,
 ``perf_counter`` on CPU). TFLOP/s counts the three GEMMs: 6 x tokens x in x out.
-``sqnr_db`` is the output's SQNR against the bf16 layer's output on the same values.
+``sqnr_first_db`` is the output's SQNR against the bf16 layer's output on the same values at
+the first call of a fresh layer, ``sqnr_db`` at call 4 (delayed scaling: scales from the history
+of calls 1-3; the first call casts as current scaling, [Note: informed first call]).
 """
 
 from __future__ import annotations
@@ -39,31 +43,43 @@ def _time(step: Callable[[], None], device: str, warmup: int, reps: int) -> floa
     return median_seconds(step, device, warmup, reps)
 
 
-def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callable[[], Any]]:
-    """The layer of ``variant`` with ``ref``'s values, and the context its steps run in."""
+SQNR_CALL = 4  # the later call whose output SQNR is reported (delayed: history of 3 calls)
+
+
+def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callable[[], Any],
+                                                         Callable[[], None]]:
+    """The layer of ``variant`` with ``ref``'s values, the context its steps run in, and what
+    runs after each backward (delayed scaling: the amax update, [Note: amax reduction])."""
     if variant == "bf16":
         layer = torch.nn.Linear(ref.in_features, ref.out_features, device=ref.weight.device,
                                 dtype=torch.bfloat16)
         layer.load_state_dict(ref.state_dict())
-        return layer, contextlib.nullcontext
+        return layer, contextlib.nullcontext, _nothing
     if variant == "torchao":
         from torchao.float8 import convert_to_float8_training  # optional dependency
 
         model = torch.nn.Sequential(torch.nn.Linear(ref.in_features, ref.out_features,
                                                     device=ref.weight.device, dtype=torch.bfloat16))
         model[0].load_state_dict(ref.state_dict())
-        return convert_to_float8_training(model), contextlib.nullcontext
+        return convert_to_float8_training(model), contextlib.nullcontext, _nothing
     with fs.fp8_model_init(enabled=variant == "fp8 params"):
         layer = fs.nn.Linear(ref.in_features, ref.out_features, device=ref.weight.device,
                              dtype=torch.bfloat16)
     layer.load_state_dict(ref.state_dict())  # quantizes into the FP8 weight for "fp8 params"
-    recipe = fs.DelayedScaling() if variant == "fp8 delayed" else fs.CurrentScaling()
-    return layer, lambda: fs.fp8_autocast(recipe=recipe)
+    if variant == "fp8 delayed":
+        recipe, after_backward = fs.DelayedScaling(), fs.nn.AmaxSync(layer).step
+    else:
+        recipe, after_backward = fs.CurrentScaling(), _nothing
+    return layer, lambda: fs.fp8_autocast(recipe=recipe), after_backward
+
+
+def _nothing() -> None:
+    pass
 
 
 def _measure(variant: str, compiled: bool, ref: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor,
              y_ref: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    layer, ctx = _build(variant, ref)
+    layer, ctx, after_backward = _build(variant, ref)
     if compiled and variant == "fp8 delayed":  # its amax state made now, not inside the graph
         fs.nn.prepare_delayed_scaling(layer, fs.DelayedScaling())
     model = torch.compile(layer, dynamic=False) if compiled else layer
@@ -73,11 +89,14 @@ def _measure(variant: str, compiled: bool, ref: torch.nn.Linear, x: torch.Tensor
         with ctx():
             y = model(x)
         y.backward(dy)
+        after_backward()
         layer.zero_grad(set_to_none=True)
         x.grad = None
         return y
 
-    y = step()
+    y_first = step()  # a fresh layer's first call
+    for _ in range(SQNR_CALL - 1):
+        y = step()
     device = x.device.type
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -85,7 +104,7 @@ def _measure(variant: str, compiled: bool, ref: torch.nn.Linear, x: torch.Tensor
     tokens, (out_f, in_f) = x.shape[0], ref.weight.shape
     row = {"variant": variant, "mode": "compile" if compiled else "eager", "tokens": tokens,
            "in": in_f, "out": out_f, "ms": sec * 1e3, "tflops": 6 * tokens * in_f * out_f / sec / 1e12,
-           "sqnr_db": sqnr_db(y_ref, y)}
+           "sqnr_first_db": sqnr_db(y_ref, y_first), "sqnr_db": sqnr_db(y_ref, y)}
     if device == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return row
@@ -100,7 +119,7 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
         y_ref = ref(x).float()
     rows = []
     for compiled in (False, True) if args.compile else (False,):
-        for variant in VARIANTS:
+        for variant in args.variants:
             try:
                 rows.append(_measure(variant, compiled, ref, x, dy, y_ref, args))
             except Exception as e:  # e.g. torchao not installed: report it, keep going
@@ -113,7 +132,8 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
 
 def _print(rows: list[dict[str, Any]], header: str) -> None:
     print(header)
-    print(f"{'shape':>20}{'mode':>9}  {'variant':<13}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}{'SQNR dB':>9}")
+    print(f"{'shape':>20}{'mode':>9}  {'variant':<13}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}"
+          f"{'SQNR@1':>9}{f'SQNR@{SQNR_CALL}':>9}")
     base = {(r["tokens"], r["in"], r["out"], r["mode"]): r["ms"] for r in rows if r["variant"] == "bf16"
             and "ms" in r}
     for r in rows:
@@ -125,7 +145,16 @@ def _print(rows: list[dict[str, Any]], header: str) -> None:
         r["speedup_vs_bf16"] = b / r["ms"] if b else None
         speed = f"{r['speedup_vs_bf16']:.2f}x" if b else "-"
         print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
-              f"{speed:>9}{r['sqnr_db']:>9.1f}")
+              f"{speed:>9}{r['sqnr_first_db']:>9.1f}{r['sqnr_db']:>9.1f}")
+
+
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"bench_linear.py: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}, "
+                         f"comma-separated, e.g. --variants \"fp8 current,fp8 delayed\"")
+    return ["bf16"] + [v for v in names if v != "bf16"]  # the speed-up is against bf16
 
 
 def main() -> None:
@@ -136,9 +165,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 8192; --quick 128)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, from: {', '.join(VARIANTS)} (bf16 is always run: the reference)")
     args = ap.parse_args()
+    args.variants = _variants(args.variants)
     shapes = [(128, 256, 512), (128, 512, 256)] if args.quick else [(8192, 4096, 14336),
                                                                         (8192, 14336, 4096)]
+    if args.tokens is not None:
+        shapes = [(args.tokens, i, o) for _, i, o in shapes]
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     args.reps = args.reps if args.reps is not None else (5 if args.quick else 30)
     rows = [r for shape in shapes for r in _run_shape(*shape, args)]
