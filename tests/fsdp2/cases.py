@@ -33,6 +33,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def pin_gemm() -> None:
+    """One FP8 GEMM path on every rank and run: on CPU ``auto`` picks by a timing per process."""
+    if device().type == "cpu":
+        from fp8shard.fp8 import gemm
+
+        gemm.set_fp8_gemm("emulated")
+
+
 def make_model(params_dtype: str = "bf16") -> GPT:
     cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
     return build_model(cfg, VOCAB, device())
@@ -84,6 +92,7 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
 def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
                params_dtype: str = "bf16", scaling: str = "current") -> list[float]:
     """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
+    pin_gemm()
     torch.manual_seed(0)
     model = make_model(params_dtype)
     if engine == "fsdp2":
@@ -243,6 +252,7 @@ def _sha(t: torch.Tensor) -> str:
 
 def build(engine: str, params_dtype: str = "bf16") -> tuple[GPT, torch.optim.Optimizer]:
     """``engine``: flat, fsdp2, or hsdp (2 replicas)."""
+    pin_gemm()
     torch.manual_seed(0)
     model = make_model(params_dtype)
     if engine in ("fsdp2", "hsdp"):

@@ -61,11 +61,14 @@ def test_losses_match_with_clipping(dist_pools):
 
 def test_hsdp_2x2_matches_flat_engine(dist_pools):
     """HSDP on 4 ranks (2 replicas x 2 shards): the replicas hold identical shards, bytes and
-    master; with fp32 gradients the losses are the flat engine's on 4 ranks."""
+    master; with fp32 gradients the losses are the flat engine's on 4 ranks to fp32 rounding for
+    the first steps (the gradient average sums in two stages), and to 0.2% once a last-bit
+    difference has flipped an FP8 byte."""
     pool = dist_pools(4)
     flat = pool.run(cases.run_losses, "flat", 10, params_dtype="fp32")[0]
     hsdp = pool.run(cases.run_losses, "fsdp2", 10, replicate=2, params_dtype="fp32")[0]
-    assert hsdp == pytest.approx(flat, rel=1e-5)
+    assert hsdp[:3] == pytest.approx(flat[:3], rel=1e-6)
+    assert hsdp == pytest.approx(flat, rel=2e-3)
     assert all(pool.run(cases.hsdp_shards_agree))
 
 
