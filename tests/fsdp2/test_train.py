@@ -12,7 +12,7 @@ from tests.train.helpers import TINY, read_metrics, read_summary, run_train
 FAST = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.val_check_interval=20",
         "model.optim.sched.warmup_steps=3", "trainer.gradient_clip_val=0", "checkpoint.every_n_steps=10",
-        "trainer.max_steps=20"]
+        "trainer.max_steps=20", "model.fp8_gemm=emulated"]  # one GEMM path: CPU auto times per process
 
 
 def _losses(run: Path) -> dict[int, float]:
