@@ -26,6 +26,7 @@ import torch
 
 import fp8shard as fs
 from fp8shard.optim import DistributedFusedAdam
+from fp8shard.optim.fsdp2 import FSDP2Adam
 from fp8shard.train.__main__ import main
 from fp8shard.train.rundir import LOCK_NAME
 from tests.optim.dist_cases import TinyMixed, batch
@@ -423,6 +424,7 @@ CASES += [
     Case("fp8-margin-huge", ["model.fp8_margin=2000"], "model.fp8_margin must be < 32"),
     Case("markov-order-beyond-seq", ["data.markov_order=100"], "data.markov_order (100) must be <="),
     Case("markov-spread-too-wide", ["data.markov_spread=200"], "data.markov_spread must be in [0,"),
+    Case("fsdp2-one-process", ["trainer.strategy=fsdp2"], "trainer.strategy=fsdp2: it shards over 2+ ranks"),
     Case("overwrite-with-auto", ["trainer.overwrite=true"],
          "trainer.overwrite=true needs trainer.resume=never"),
     # ------------------------------------------------------------------ config: sizes bounded by memory
@@ -578,6 +580,10 @@ API_CASES = [
     ApiCase("step-with-lr-set-to-nan", _set_group("lr", NAN), ValueError, "check the LR schedule"),
     ApiCase("step-with-weight-decay-set-to-inf", _set_group("weight_decay", INF), ValueError,
             "weight_decay must be a finite number >= 0, got inf"),
+    ApiCase("fsdp2adam-on-unsharded-params", lambda o: FSDP2Adam(o.model.parameters()), ValueError,
+            "is not sharded by FSDP2; call fully_shard_model(model, mesh)"),
+    ApiCase("fp8-slice-written-in-place", lambda o: o.f8[0:2].mul_(2.0), RuntimeError,
+            "on a slice of a Float8Tensor would re-quantize the slice"),
 ]
 
 

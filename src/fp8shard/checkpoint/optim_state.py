@@ -22,9 +22,14 @@ from fp8shard.checkpoint.planner import FlatPieces
 from fp8shard.checkpoint.state import OPTIM, dtype_name, parse_dtype, unwrap
 from fp8shard.optim import DistributedFusedAdam
 from fp8shard.optim.distributed_fused_adam import _check_hparams
+from fp8shard.optim.fsdp2 import FSDP2Adam
 
 DFA_STATES = ("master", "exp_avg", "exp_avg_sq")
 DFA_KIND = "distributed_fused_adam"
+# Both engines hold the same state (fp32 master + Adam moments per parameter, the same FP8 weight
+# scaling) and save it in the same model-space pieces, so their checkpoints are one kind and
+# either resumes the other ([Note: FSDP2 engine]).
+SHARDED_ADAMS = (DistributedFusedAdam, FSDP2Adam)
 
 
 @dataclasses.dataclass
@@ -37,7 +42,7 @@ class OptimizerLoad:
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:
-    if isinstance(optimizer, DistributedFusedAdam):
+    if isinstance(optimizer, SHARDED_ADAMS):
         return DFA_KIND
     return f"torch.optim.{type(optimizer).__name__}"
 
@@ -83,7 +88,7 @@ def optimizer_save_state(optimizer: torch.optim.Optimizer, names: list[str]
     """(replicated tensors, this rank's pieces, manifest section) of an optimizer."""
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, FlatPieces] = {}
-    if isinstance(optimizer, DistributedFusedAdam):
+    if isinstance(optimizer, SHARDED_ADAMS):
         ssd = optimizer.sharded_state_dict()
         params: dict[str, dict[str, Any]] = {}
         for i, shape in ssd["shapes"].items():
@@ -136,7 +141,7 @@ def optimizer_load(optimizer: torch.optim.Optimizer, names: list[str], section: 
         raise CheckpointMismatchError(
             f"the optimizer's param groups differ from the checkpoint's: {_first_difference(saved, mine)}")
     _check_group_options(optimizer, section["param_groups"])
-    if isinstance(optimizer, DistributedFusedAdam):
+    if isinstance(optimizer, SHARDED_ADAMS):
         return _dfa_load(optimizer, names, section)
     return _torch_load(optimizer, names, section)
 
@@ -164,7 +169,7 @@ def _check_group_options(optimizer: torch.optim.Optimizer, groups: list[dict[str
                 raise CheckpointFormatError(
                     f"the checkpoint's optimizer.param_groups[{gi}].{k} is {str(v)[:60]}, which cannot "
                     f"replace this optimizer's {g[k]!r}")
-        if isinstance(optimizer, DistributedFusedAdam):
+        if isinstance(optimizer, SHARDED_ADAMS):
             merged = {**g, **{k: tuple(v) if k == "betas" else v for k, v in s.items() if k != "params"}}
             try:
                 _check_hparams(merged)
@@ -190,7 +195,8 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
     return "?"
 
 
-def _dfa_load(opt: DistributedFusedAdam, names: list[str], section: dict[str, Any]) -> OptimizerLoad:
+def _dfa_load(opt: DistributedFusedAdam | FSDP2Adam, names: list[str],
+              section: dict[str, Any]) -> OptimizerLoad:
     opt.wait_param_sync()
     ssd = opt.sharded_state_dict()  # views into the live buffers
     saved = section["params"]

@@ -31,6 +31,7 @@ from torch import nn
 
 from fp8shard.checkpoint.errors import CheckpointMismatchError
 from fp8shard.fp8 import Float8Tensor, Fp8Format
+from fp8shard.optim.fsdp2 import local_shard, shard_rows
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
 FP8_BYTES, SCALE_INV = ":fp8_bytes", ":scale_inv"
@@ -90,7 +91,14 @@ def model_save_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
     for name, t in model.state_dict().items():
         entry: dict[str, Any] = {"kind": "param" if name in params else "buffer",
                                  "shape": list(t.shape), "dtype": dtype_name(t.dtype), "fp8": None}
-        if isinstance(t, Float8Tensor):
+        if is_sharded(t) and isinstance(local_shard(t), Float8Tensor):
+            # FSDP2: this rank's rows of the bytes, as a DTensor DCP writes as chunks of the
+            # same global uint8 tensor the flat engine writes whole ([Note: FSDP2 engine]).
+            local = local_shard(t)
+            entry["fp8"] = local.fp8_format.value
+            tensors[MODEL + name + FP8_BYTES] = _bytes_dtensor(t, local)
+            tensors[MODEL + name + SCALE_INV] = local.scale_inv.reshape(())
+        elif isinstance(t, Float8Tensor):
             entry["fp8"] = t.fp8_format.value
             tensors[MODEL + name + FP8_BYTES] = t.uint8_view()
             tensors[MODEL + name + SCALE_INV] = t.scale_inv.reshape(())
@@ -98,6 +106,38 @@ def model_save_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
             tensors[MODEL + name] = t
         entries[name] = entry
     return tensors, entries
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (a parameter of a ``fully_shard``-ed model)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _bytes_dtensor(t: torch.Tensor, local: Float8Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.uint8_view(), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
+def _copy_into_shard(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's rows of the full ``value`` into a sharded parameter's local shard."""
+    start, rows = shard_rows(param)
+    local = local_shard(param)
+    if isinstance(local, Float8Tensor) and isinstance(value, Float8Tensor):
+        # Bytes and scale, bit-exact (an empty shard still carries the scale).
+        local.fp8_data.copy_(value.fp8_data[start:start + rows])
+        local.scale_inv.copy_(value.scale_inv)
+        local.mark_bytes_changed()
+    elif isinstance(local, Float8Tensor):
+        # A high-precision checkpoint into FP8 shards: one scale for the whole weight, from its
+        # global amax (current scaling per shard would give every rank its own scale).
+        whole = Float8Tensor.quantize(value, local.fp8_format)
+        _copy_into_shard(param, whole)
+    elif rows:
+        local.copy_(value[start:start + rows])
 
 
 def model_keys(name: str, entry: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -171,14 +211,23 @@ def apply_model(model: nn.Module, names: list[str], entries: dict[str, dict[str,
     model = unwrap(model)
     mine = model.state_dict()
     sd: dict[str, torch.Tensor] = {}
+    sharded: set[str] = set()
     for n in names:
         value = read_entry(n, entries[n], loaded)
         cur = mine.get(n)
+        if cur is not None and is_sharded(cur):
+            local = local_shard(cur)
+            if isinstance(value, Float8Tensor) and not isinstance(local, Float8Tensor):
+                value = value.dequantize(local.dtype)
+            with torch.no_grad():
+                _copy_into_shard(cur, value)  # FSDP2: the full value was read, keep my rows
+            sharded.add(n)
+            continue
         if isinstance(value, Float8Tensor) and cur is not None and not isinstance(cur, Float8Tensor):
             value = value.dequantize(cur.dtype)
         sd[n] = value
     result = model.load_state_dict(sd, strict=False)
-    left = [k for k in result.missing_keys if not is_lazy(k)] if strict else []
+    left = [k for k in result.missing_keys if not is_lazy(k) and k not in sharded] if strict else []
     if left or (strict and result.unexpected_keys):
         raise CheckpointMismatchError(f"load_state_dict left missing={left}, unexpected="
                                       f"{result.unexpected_keys}")

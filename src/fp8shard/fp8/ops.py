@@ -70,6 +70,8 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
         name = schema_args[i].name
         original = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(original, Float8Tensor):
+            if is_slice(original):
+                _refuse_slice_write(original, f"{func}")
             targets[name] = original
     out = func(*hp_args, **hp_kwargs)
     for i, a in enumerate(schema_args):
@@ -124,6 +126,9 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     dst, src = args[0], args[1]
     if not isinstance(dst, Float8Tensor):
         return dst.copy_(src.dequantize(dst.dtype))
+    if is_slice(dst) and not (isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format
+                              and torch.equal(src._scale_inv, dst._scale_inv)):
+        _refuse_slice_write(dst, "copy_ of values with another scale")
     if isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format:
         # Bit-exact: the same bytes and the same scale.
         dst._data.copy_(src._data)
@@ -161,3 +166,56 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     data = func(t._data, **kwargs)
     scale_inv = torch.ones((), dtype=torch.float32, device=data.device)
     return Float8Tensor(data, scale_inv, t._fp8_format, dtype)
+
+
+# ---------------------------------------------------------------------------- FSDP2 sharding
+# fully_shard cuts a weight with torch.chunk (split), pads the shard (new_zeros + narrow, i.e.
+# slice, + copy_) and views it flat: with these the shard stays FP8 ([Note: FSDP2 extension]).
+# [Note: FP8 slices]
+#     A slice (``t[a:b]``, ``narrow``, ``chunk``/``split``) is a view of the bytes that shares the
+#     whole tensor's scale. Writing into it may not change that scale: an in-place op, or a copy
+#     of high-precision values, would re-quantize the slice from its own amax and re-scale every
+#     other element with it (and on an FSDP2 shard give each rank its own scale), so both raise;
+#     a copy of FP8 bytes with the same scale is exact and allowed (FSDP2 pads shards this way).
+_SLICE = "_fp8_slice"
+
+
+def _mark_slice(t: Float8Tensor) -> Float8Tensor:
+    t.__dict__[_SLICE] = True
+    return t
+
+
+def is_slice(t: Float8Tensor) -> bool:
+    return bool(t.__dict__.get(_SLICE, False))
+
+
+def _refuse_slice_write(t: Float8Tensor, what: str) -> None:
+    raise RuntimeError(
+        f"{what} on a slice of a Float8Tensor would re-quantize the slice and change the scale "
+        "of the whole tensor ([Note: FP8 slices]); write the whole tensor (t.copy_(x) or "
+        "t.quantize_(x)), or work on t.dequantize()")
+
+
+@implements([aten.split.Tensor, aten.split_with_sizes.default])
+def _split(func: Any, args: tuple, kwargs: dict) -> list[Float8Tensor]:
+    t = args[0]
+    return [_mark_slice(t._rewrap(d)) for d in func(t._data, *args[1:], **kwargs)]
+
+
+@implements([aten.slice.Tensor])
+def _slice(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    t = args[0]
+    return _mark_slice(t._rewrap(func(t._data, *args[1:], **kwargs)))
+
+
+@implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """New FP8 bytes (zeros, or uninitialized) with a copy of the scale, so a shard padded or
+    created empty by FSDP2 carries the same scale as its neighbours."""
+    t = args[0]
+    dtype = kwargs.pop("dtype", None) or t.dtype
+    if not dtype.is_floating_point:
+        return func(t.dequantize(), *args[1:], dtype=dtype, **kwargs)
+    kwargs.pop("layout", None)
+    data = func(t._data, *args[1:], **kwargs)
+    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_format, dtype)

@@ -232,6 +232,21 @@ class Float8Tensor(torch.Tensor):
         self._meta.bytes_changed()
         return self
 
+    # ------------------------------------------------------------------ FSDP2 ([Note: FSDP2 extension])
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any = None, outer_stride: Any = None,
+                            module: Any = None, mp_policy: Any = None) -> tuple[tuple, tuple]:
+        """FSDP2's all-gather inputs: this shard's FP8 bytes as ``uint8``; the scale as metadata."""
+        from fp8shard.fp8.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple, metadata: Any, param_dtype: torch.dtype,
+                             *, out: Float8Tensor | None = None) -> Any:
+        """The unsharded Float8Tensor over the gathered bytes (or ``out`` refreshed in place)."""
+        from fp8shard.fp8.fsdp import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
     # ------------------------------------------------------------------ python protocol
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         head = (f"Float8Tensor(fp8_format={self._fp8_format.name}, dtype={self.dtype}, "

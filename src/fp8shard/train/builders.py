@@ -225,8 +225,16 @@ def build_optimizer(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[torch.
     """(optimizer, the module to call forward on): DistributedFusedAdam on the bare model, or
     torch AdamW on the model wrapped in DDP when there are several ranks."""
     o = cfg.model.optim
-    groups = param_groups(model, o.weight_decay)
     betas = (o.betas[0], o.betas[1])
+    if cfg.trainer.strategy == "fsdp2":  # [Note: FSDP2 engine]: FSDP2 owns the weights' storage
+        from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model
+
+        fully_shard_model(model, default_mesh(cfg.trainer.hsdp_replicate))
+        opt = FSDP2Adam(param_groups(model, o.weight_decay), lr=o.lr, betas=betas, eps=o.eps,
+                        weight_decay=o.weight_decay, state_dtype=_DTYPES[o.state_dtype], module=model,
+                        count_comm=True)
+        return opt, model
+    groups = param_groups(model, o.weight_decay)
     if o.name == "distributed_fused_adam":
         from fp8shard.optim import DistributedFusedAdam
 

@@ -95,6 +95,13 @@ class TrainerConfig:
     """Delayed scaling: report (with the layer's name) an FP8 cast whose amax exceeds what its
     scale can represent (fmt.max / scale) by more than this factor; milder saturation is only
     counted (fp8_saturated). 1 reports every saturated cast; 0 turns the check off."""
+    strategy: Literal["flat", "fsdp2"] = "flat"
+    """Who owns the weights and moves them: flat (DistributedFusedAdam's buckets, the seed's path)
+    or fsdp2 (torch FSDP2's fully_shard with the same FP8 weights, scales and optimizer math;
+    needs 2+ ranks and model.optim.name=distributed_fused_adam). docs/engines.md."""
+    hsdp_replicate: int = 1
+    """trainer.strategy=fsdp2: replicas of the model (HSDP, a replicate x shard mesh); 1: shard
+    over every rank. Must divide the number of ranks."""
 
 
 @dataclasses.dataclass

@@ -157,6 +157,37 @@ def _fp8(cfg: Config) -> None:
                           "the FP32 master weights); valid with adamw: model.fp8_params=false")
 
 
+def _strategy(cfg: Config, world_size: int) -> None:
+    """trainer.strategy=fsdp2: what the FSDP2 engine does not do (docs/engines.md)."""
+    t, o = cfg.trainer, cfg.model.optim
+    if t.hsdp_replicate < 1 or world_size % t.hsdp_replicate:
+        raise ConfigError(f"trainer.hsdp_replicate={t.hsdp_replicate} must be >= 1 and divide the "
+                          f"{world_size} rank(s)")
+    if t.strategy != "fsdp2":
+        if t.hsdp_replicate != 1:
+            raise ConfigError("trainer.hsdp_replicate needs trainer.strategy=fsdp2")
+        return
+    from fp8shard.train.builders import params_dtype
+
+    fp32_params = params_dtype(cfg) == torch.float32
+    problems = [
+        (o.name != "distributed_fused_adam",
+         "model.optim.name must stay distributed_fused_adam (its optimizer math runs on FSDP2's shards)"),
+        (world_size < 2,
+         "it shards over 2+ ranks; launch with torchrun --nproc-per-node N (N >= 2) or use "
+         "trainer.strategy=flat for one process"),
+        (t.compile, "trainer.compile=true is not supported with it yet; set trainer.compile=false"),
+        (o.overlap_param_sync, "model.optim.overlap_param_sync does not apply (FSDP2 prefetches its "
+                               "own all-gathers); set it to false"),
+        (o.grad_sync_dtype == "fp32" and not fp32_params,
+         "FSDP2 reduces gradients in the parameters' dtype: for fp32 gradient sync set "
+         "model.params_dtype=fp32, or model.optim.grad_sync_dtype=bf16"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"trainer.strategy=fsdp2: {why}")
+
+
 def _optim(cfg: Config) -> None:
     o = cfg.model.optim
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
@@ -295,6 +326,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _shape(cfg)
     _fp8(cfg)
     _optim(cfg)
+    _strategy(cfg, world_size)
     _data(cfg)
     _checkpoint(cfg)
     _run_dir(cfg)

@@ -1,0 +1,281 @@
+"""What every rank runs in the FSDP2 engine tests (module-level, so the workers can import it).
+
+The model is a small GPT with FP8 weights built as ``python -m fp8shard.train`` builds it
+(``build_model``: fp32 init, quantized, high-precision init value preserved; bf16 elsewhere).
+Every rank draws the same global batch and takes its own rows, so the flat engine and FSDP2
+see the same data at any world size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fp8shard as fs
+from fp8shard.fp8 import Float8Tensor
+from fp8shard.models import GPT
+from fp8shard.optim import DistributedFusedAdam
+from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model, local_shard, shard_rows
+from fp8shard.testing.fsdp_wire import count_fsdp_wire
+from fp8shard.train.builders import build_model, param_groups
+from fp8shard.train.config import load_config
+
+VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 8
+OVERRIDES = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
+             "model.num_attention_heads=2", "model.encoder_seq_length=16", "model.fp8=true",
+             "model.fp8_params=true", "trainer.precision=bf16-mixed", "model.params_dtype=bf16"]
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL (the @gpu tests), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pin_gemm() -> None:
+    """One FP8 GEMM path on every rank and run: on CPU ``auto`` picks by a timing per process."""
+    if device().type == "cpu":
+        from fp8shard.fp8 import gemm
+
+        gemm.set_fp8_gemm("emulated")
+
+
+def make_model(params_dtype: str = "bf16") -> GPT:
+    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
+    return build_model(cfg, VOCAB, device())
+
+
+def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
+             grad_dtype: torch.dtype = torch.bfloat16, scaling: str = "current") -> torch.optim.Optimizer:
+    groups = param_groups(model, 0.1)
+    if engine == "flat":
+        return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1, grad_sync_dtype=grad_dtype,
+                                    fp8_weight_scaling=scaling)
+    return FSDP2Adam(groups, lr=lr, weight_decay=0.1, fp8_weight_scaling=scaling)
+
+
+def shard(model: GPT, replicate: int = 1) -> GPT:
+    return fully_shard_model(model, default_mesh(replicate))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of step ``step``'s global batch (the same global batch at any world size)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    tokens = (start + 3 * torch.arange(SEQ + 1)) % VOCAB  # learnable: each token predicts the next
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = GLOBAL_BATCH // world
+    mine = tokens[rank * rows:(rank + 1) * rows].to(device())
+    return mine[:, :-1], mine[:, 1:]
+
+
+def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: float = 0.0) -> list[float]:
+    """Losses (averaged over ranks) of ``steps``; every step one forward, backward and update."""
+    losses = []
+    recipe = fs.DelayedScaling()
+    for step in steps:
+        x, y = batch(step)
+        with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast(x.device.type, torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        if clip:
+            opt.clip_grad_norm(clip)
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().float().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses
+
+
+def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
+               params_dtype: str = "bf16", scaling: str = "current") -> list[float]:
+    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
+    pin_gemm()
+    torch.manual_seed(0)
+    model = make_model(params_dtype)
+    if engine == "fsdp2":
+        shard(model, replicate)
+    opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,
+                   scaling=scaling)
+    return train_steps(model, opt, range(steps), clip)
+
+
+def fp8_numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if isinstance(local_shard(p), Float8Tensor))
+
+
+def memory_per_fp8_elem(steps: int = 2) -> dict[str, float]:
+    """Persistent bytes per FP8 weight element on this rank, after a backward (gradients held)."""
+    model = shard(make_model())
+    opt = make_opt(model, "fsdp2")
+    train_steps(model, opt, range(steps))
+    x, y = batch(steps)
+    with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()), torch.autocast("cpu", torch.bfloat16):
+        model(x, y).backward()  # the gradient shards exist until the next step
+    parts = {"weights": 0, "grads": 0, "master": 0, "states": 0}
+    for i, p in enumerate(opt._params):
+        local = local_shard(p)
+        if isinstance(local, Float8Tensor):
+            grad = local_shard(p.grad)
+            parts["weights"] += local.numel() * local.fp8_data.element_size()
+            parts["grads"] += grad.numel() * grad.element_size()
+            parts["master"] += opt.master[i].numel() * opt.master[i].element_size()
+            parts["states"] += 2 * opt.exp_avg[i].numel() * opt.exp_avg[i].element_size()
+    n = fp8_numel(model)
+    out = {k: v / n for k, v in parts.items()}
+    out["world"] = dist.get_world_size()
+    out["report_fp8_weights"] = opt.memory_report()["fp8_weights"] / n
+    # What stays allocated of the unsharded weights between steps: FSDP2 frees the gathered
+    # bytes after backward (storage resized to 0).
+    out["unsharded_bytes"] = sum(
+        fp.all_gather_outputs[0].untyped_storage().nbytes()
+        for g in _param_groups(model) for fp in g.fsdp_params if fp.all_gather_outputs)
+    return out
+
+
+def _param_groups(model: torch.nn.Module) -> list:
+    """FSDP2's parameter groups (torch 2.13: a list per module; earlier: one or None)."""
+    out = []
+    for m in model.modules():
+        if hasattr(m, "_get_fsdp_state"):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
+            out.extend(groups)
+    return out
+
+
+class Fp8Stack(torch.nn.Module):
+    """FP8 weights only (no bias, no norm): every gathered byte is an FP8 weight's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with fs.fp8_model_init(enabled=True), torch.device(device()):
+            self.layers = torch.nn.ModuleList([fs.nn.Linear(64, 128, bias=False),
+                                               fs.nn.Linear(128, 64, bias=False),
+                                               fs.nn.Linear(64, 64, bias=False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str, float]:
+    """All-gather bytes per FP8 weight element per gather, counted on the wire."""
+    model = Fp8Stack()
+    fully_shard_model(model, default_mesh(), reshard_after_forward=reshard_after_forward)
+    count = count_fsdp_wire(model)
+    opt = FSDP2Adam(model.parameters(), lr=1e-3, module=model, count_comm=True)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g).to(device())
+        with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    n = fp8_numel(model)
+    gathers = count.calls_total("all_gather.params")
+    return {"bytes_per_elem_per_step": count.total("all_gather.params") / (n * steps),
+            "gathers": gathers, "keys": sorted(count.bytes),
+            "reduce_scatter_bytes_per_elem_per_step": count.total("reduce_scatter.grads") / (n * steps),
+            "report": opt.comm_report(), "n": n}
+
+
+def hsdp_shards_agree(steps: int = 3) -> bool:
+    """HSDP (replicate x shard): after training, the two replicas of each shard hold the same
+    bytes and master (checked by comparing with the replica partner through the replicate group)."""
+    model = shard(make_model(), replicate=2)
+    opt = make_opt(model, "fsdp2")
+    train_steps(model, opt, range(steps))
+    rep_group = next(iter(model.parameters())).device_mesh.get_group(0)  # the replicate dimension
+    ok = True
+    for i, p in enumerate(opt._params):
+        local = local_shard(p)
+        mine = local.uint8_view().float() if isinstance(local, Float8Tensor) else local.float()
+        both = [torch.empty_like(mine.reshape(-1)) for _ in range(2)]
+        dist.all_gather(both, mine.reshape(-1).contiguous(), group=rep_group)
+        m2 = [torch.empty_like(opt.master[i]) for _ in range(2)]
+        dist.all_gather(m2, opt.master[i], group=rep_group)
+        ok = ok and torch.equal(both[0], both[1]) and torch.equal(m2[0], m2[1])
+    return ok
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _full(pieces: list[tuple[int, torch.Tensor]], numel: int) -> torch.Tensor:
+    """A flattened tensor from every rank's (offset, values) pieces."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [(o, t.detach().clone()) for o, t in pieces])
+    out = torch.full((numel,), float("nan"))
+    for part in everyone:
+        for o, t in part:
+            out[o:o + t.numel()] = t.float().reshape(-1)
+    return out
+
+
+def model_space_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of every parameter's full master, moments, FP8 bytes and scale, and of each
+    non-FP8 weight: the same for both engines at any world size when the states are equal."""
+    ssd = opt.sharded_state_dict()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, p in enumerate(opt._params):
+        name, numel = by_id[id(p)], p.numel()
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            full = _full([(int(e["offset"]), e[k]) for e in ssd["state"].get(i, [])], numel)
+            out[f"{name}/{k}"] = _sha(full)
+        if hasattr(p, "device_mesh"):
+            start, rows = shard_rows(p)
+            local = local_shard(p)
+            row = p.numel() // p.shape[0] if p.dim() else 1
+            values = local.uint8_view() if isinstance(local, Float8Tensor) else local.detach()
+            full = _full([(start * row, values.float())] if rows else [], numel)
+        else:
+            values = p.uint8_view() if isinstance(p, Float8Tensor) else p.detach()
+            full = values.float().reshape(-1)
+        out[f"{name}/weight"] = _sha(full)
+        if i in ssd["fp8"]:
+            out[f"{name}/scale"] = _sha(ssd["fp8"][i]["scale"].reshape(1))
+    return out
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def build(engine: str, params_dtype: str = "bf16") -> tuple[GPT, torch.optim.Optimizer]:
+    """``engine``: flat, fsdp2, or hsdp (2 replicas)."""
+    pin_gemm()
+    torch.manual_seed(0)
+    model = make_model(params_dtype)
+    if engine in ("fsdp2", "hsdp"):
+        shard(model, replicate=2 if engine == "hsdp" else 1)
+    return model, make_opt(model, "flat" if engine == "flat" else "fsdp2")
+
+
+def save_after(engine: str, path: str, steps: int, more: int) -> tuple[dict[str, str], list[float]]:
+    """Train ``steps``, save a checkpoint (its digest), train ``more`` (their losses)."""
+    from fp8shard.checkpoint import save_checkpoint
+
+    model, opt = build(engine)
+    train_steps(model, opt, range(steps))
+    save_checkpoint(path, model, opt, step=steps)
+    digest = model_space_digest(model, opt)
+    return digest, train_steps(model, opt, range(steps, steps + more))
+
+
+def load_and_continue(engine: str, path: str, more: int) -> tuple[dict[str, str], list[float], int]:
+    """Load the checkpoint into a fresh model and optimizer of ``engine``; (digest, losses, step)."""
+    from fp8shard.checkpoint import load_checkpoint
+
+    model, opt = build(engine)
+    info = load_checkpoint(path, model, opt)
+    digest = model_space_digest(model, opt)
+    return digest, train_steps(model, opt, range(info.step, info.step + more)), info.world_size
