@@ -34,7 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp8shard.fp8.scaling import CurrentScaling, DelayedScaling, Recipe, scale_from_amax
+from fp8shard.fp8.quantizer import RECIPE_NAMES, parse_recipe
+from fp8shard.fp8.scaling import (
+    BlockwiseScaling,
+    CurrentScaling,
+    DelayedScaling,
+    Recipe,
+    RowwiseScaling,
+    scale_from_amax,
+)
 from fp8shard.nn import overflow
 
 
@@ -57,15 +65,18 @@ _every_step_group: list[Any] = [None]
 _every_step_due: list[bool] = [False]
 
 
-def _check_args(enabled: bool, recipe: object) -> None:
+def _check_args(enabled: bool, recipe: object) -> Recipe | None:
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast(enabled=...) takes a bool, got {type(enabled).__name__}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    if recipe is not None and not isinstance(recipe, (str, DelayedScaling, CurrentScaling, RowwiseScaling,
+                                                      BlockwiseScaling)):
         raise TypeError(
-            f"fp8_autocast(recipe=...) takes a fp8shard DelayedScaling or CurrentScaling, got "
+            f"fp8_autocast(recipe=...) takes a fp8shard DelayedScaling, CurrentScaling, RowwiseScaling "
+            f"or BlockwiseScaling, or a recipe name ({', '.join(RECIPE_NAMES)}), got "
             f"{type(recipe).__module__}.{type(recipe).__name__}; build one with "
             f"fp8shard.DelayedScaling(...) or fp8shard.CurrentScaling(...)"
         )
+    return None if recipe is None else parse_recipe(recipe)  # a name: ValueError naming the choices
 
 
 @contextlib.contextmanager
@@ -74,12 +85,14 @@ def fp8_autocast(
 ) -> Iterator[None]:
     """fp8shard layers run inside compute their GEMMs in FP8 ([Note: three GEMMs]).
 
-    ``recipe`` defaults to ``DelayedScaling()`` (Transformer Engine's default). ``fp8_group`` is
+    ``recipe`` defaults to ``DelayedScaling()`` (Transformer Engine's default); a recipe object
+    or its name (``delayed``, ``current``/``tensorwise``, ``rowwise``, ``blockwise``: see
+    [Note: quantizer]); a layer's own ``fp8_recipe`` attribute overrides it. ``fp8_group`` is
     the process group the delayed-scaling amaxes are MAX-reduced over, once per step (the
     data-parallel group, or TP x DP); see [Note: amax reduction]. ``enabled=False`` turns FP8 off
     inside, e.g. for an evaluation pass in a FP8-enabled region.
     """
-    _check_args(enabled, recipe)
+    recipe = _check_args(enabled, recipe)
     if enabled and current_fp8_state() is None:
         reduce_and_update_amaxes()  # the previous step's amaxes are all recorded now
         _every_step_group[0], _every_step_due[0] = fp8_group, True
