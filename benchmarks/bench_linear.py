@@ -1,6 +1,7 @@
 """Forward + backward of one linear layer: fp8shard FP8 vs bf16 ``nn.Linear`` (vs torchao).
 
     python benchmarks/bench_linear.py [--device cpu|cuda] [--quick] [--no-compile] [--out FILE.json]
+                                      [--recipe tensorwise|delayed|rowwise|blockwise ...]
 
 Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 tokens,
 256->512 and 512->256 (CPU-sized). Every variant computes in bf16 inputs and weights:
@@ -10,6 +11,9 @@ Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 
                    so each step also updates the amax history)
   fp8 params       fp8shard.nn.Linear built in fp8_model_init (E4M3 weight), CurrentScaling
   torchao          torchao.float8 Float8Linear, tensorwise scaling (if torchao imports)
+  fp8 rowwise      fp8shard.nn.Linear, bf16 weight, RowwiseScaling (only with --recipe)
+  fp8 blockwise    fp8shard.nn.Linear, bf16 weight, BlockwiseScaling (only with --recipe)
+``--recipe`` runs bf16 and the fp8shard variants of the recipes named instead of the list above.
 each eager and under ``torch.compile``. A step is forward, backward (grads of input and
 weight) and ``zero_grad``; the time is the median over repetitions (CUDA events on a GPU,
 ``perf_counter`` on CPU). TFLOP/s counts the three GEMMs: 6 x tokens x in x out.
@@ -32,6 +36,8 @@ from fp8shard.testing import sqnr_db
 from timing import median_seconds
 
 VARIANTS = ["bf16", "fp8 current", "fp8 delayed", "fp8 params", "torchao"]
+RECIPE_VARIANTS = {"tensorwise": "fp8 current", "delayed": "fp8 delayed", "rowwise": "fp8 rowwise",
+                   "blockwise": "fp8 blockwise"}
 
 
 def _time(step: Callable[[], None], device: str, warmup: int, reps: int) -> float:
@@ -57,7 +63,8 @@ def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callabl
         layer = fs.nn.Linear(ref.in_features, ref.out_features, device=ref.weight.device,
                              dtype=torch.bfloat16)
     layer.load_state_dict(ref.state_dict())  # quantizes into the FP8 weight for "fp8 params"
-    recipe = fs.DelayedScaling() if variant == "fp8 delayed" else fs.CurrentScaling()
+    recipe = {"fp8 delayed": fs.DelayedScaling(), "fp8 rowwise": fs.RowwiseScaling(),
+              "fp8 blockwise": fs.BlockwiseScaling()}.get(variant, fs.CurrentScaling())
     return layer, lambda: fs.fp8_autocast(recipe=recipe)
 
 
@@ -100,7 +107,7 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
         y_ref = ref(x).float()
     rows = []
     for compiled in (False, True) if args.compile else (False,):
-        for variant in VARIANTS:
+        for variant in args.variants:
             try:
                 rows.append(_measure(variant, compiled, ref, x, dy, y_ref, args))
             except Exception as e:  # e.g. torchao not installed: report it, keep going
@@ -113,18 +120,18 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
 
 def _print(rows: list[dict[str, Any]], header: str) -> None:
     print(header)
-    print(f"{'shape':>20}{'mode':>9}  {'variant':<13}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}{'SQNR dB':>9}")
+    print(f"{'shape':>20}{'mode':>9}  {'variant':<14}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}{'SQNR dB':>9}")
     base = {(r["tokens"], r["in"], r["out"], r["mode"]): r["ms"] for r in rows if r["variant"] == "bf16"
             and "ms" in r}
     for r in rows:
         shape = f"{r['tokens']}x{r['in']}->{r['out']}"
         if "unavailable" in r:
-            print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}  unavailable ({r['unavailable']})")
+            print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<14}  unavailable ({r['unavailable']})")
             continue
         b = base.get((r["tokens"], r["in"], r["out"], r["mode"]))
         r["speedup_vs_bf16"] = b / r["ms"] if b else None
         speed = f"{r['speedup_vs_bf16']:.2f}x" if b else "-"
-        print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
+        print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<14}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
               f"{speed:>9}{r['sqnr_db']:>9.1f}")
 
 
@@ -136,7 +143,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--recipe", nargs="+", choices=list(RECIPE_VARIANTS), default=None,
+                    help="bf16 and fp8shard.nn.Linear under these recipes only")
     args = ap.parse_args()
+    args.variants = VARIANTS if not args.recipe else ["bf16", *(RECIPE_VARIANTS[r] for r in args.recipe)]
     shapes = [(128, 256, 512), (128, 512, 256)] if args.quick else [(8192, 4096, 14336),
                                                                         (8192, 14336, 4096)]
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
@@ -147,7 +157,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": args.device, "device_name": name, "torch": torch.__version__,
-                       "quick": args.quick, "reps": args.reps, "rows": rows}, f, indent=1)
+                       "quick": args.quick, "reps": args.reps, "recipes": args.recipe, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
