@@ -75,8 +75,7 @@ class Fp8Operand(NamedTuple):
         """The values the bytes stand for, ``data * scale_inv`` per tile, as ``dtype``."""
         if self.block is None:
             return (self.data.float() * self.scale_inv.float()).to(dtype)
-        scale_inv = expand_tiles(self.scale_inv.float(), self.block, self.data.shape)
-        return (self.data.float() * scale_inv).to(dtype)
+        return mul_tiles(self.data, self.scale_inv.float(), self.block).to(dtype)
 
 
 @runtime_checkable
@@ -172,16 +171,25 @@ def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return a.reshape(rb, br, cb, bc).amax(dim=(1, 3))  # [rb, cb]
 
 
-def expand_tiles(s: torch.Tensor, block: tuple[int, int],
-                 shape: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """Per-tile values ``s`` [rb, cb] spread over the elements of an ``shape`` [R, C] tensor."""
-    rows, cols = shape
+def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 ``x`` [R, C] times the per-tile values ``s`` [ceil(R/br), ceil(C/bc)], contiguous.
+
+    Multiplies tile by tile through a [rb, br, cb, bc] view instead of materializing ``s``
+    expanded to x's shape (Inductor's CPU code generator also rejects that expand + reshape).
+    """
+    rows, cols = x.shape
     br, bc = block
     rb, cb = s.shape
     if br == 1 and cb == 1:
-        return s  # [R, 1] broadcasts over the row
-    full = s[:, None, :, None].expand(rb, br, cb, bc).reshape(rb * br, cb * bc)
-    return full[:rows, :cols]
+        return x.float() * s  # [R, 1] broadcasts over the row
+    xf = x.float()
+    if rb * br != rows or cb * bc != cols:
+        xf = F.pad(xf, (0, cb * bc - cols, 0, rb * br - rows))
+    out = (xf.reshape(rb, br, cb, bc) * s[:, None, :, None]).reshape(rb * br, cb * bc)
+    return out[:rows, :cols].contiguous()
+
+
+_ONE = torch.ones((), dtype=torch.float32)
 
 
 class _TiledQuantizer:
@@ -209,7 +217,8 @@ class _TiledQuantizer:
         scale = scale_from_amax(stats, fmt.max)
         if self.power_of_2_scales:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
-        data = cast_to_fp8(x.detach(), expand_tiles(scale, block, x.shape), fmt)
+        # x * scale per tile in fp32, then the one FP8 encoding (times 1: exact).
+        data = cast_to_fp8(mul_tiles(x.detach(), scale, block), _ONE.to(x.device), fmt)
         return Fp8Operand(data, scale.reciprocal(), block)
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
@@ -415,6 +424,6 @@ def is_tiled(recipe: object) -> bool:
 
 __all__ = [
     "BlockwiseQuantizer", "Fp8Operand", "OperandKind", "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer",
-    "TensorwiseQuantizer", "emulated_tiled_mm", "expand_tiles", "is_tiled", "parse_recipe",
+    "TensorwiseQuantizer", "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe",
     "quantizer_for", "tile_amax",
 ]
