@@ -11,7 +11,7 @@ from fp8shard.nn import Linear
 from fp8shard.nn.linear import _Fp8LinearFn
 from fp8shard.nn.quantized_linear import _QuantizedLinearFn
 from fp8shard.testing import sqnr_db
-from tests.nn._cases import fwd_bwd, sqnr_case
+from tests.nn._cases import compile_case, fwd_bwd, sqnr_case
 
 TILED = {"rowwise": fs.RowwiseScaling(), "blockwise": fs.BlockwiseScaling(),
          "rowwise_hybrid": fs.RowwiseScaling(fp8_format="hybrid"),
@@ -135,3 +135,10 @@ def test_no_grad_forward_and_frozen_weight():
         layer(xg).sum().backward()
     assert xg.grad is not None and layer.weight.grad is None
     assert sqnr_db(torch.ones(8, 64) @ layer.weight.detach(), xg.grad) >= 25
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_compile_matches_eager_cpu(recipe):
+    """torch.compile of a model of tiled-recipe layers (Inductor once rejected the blockwise
+    scale expansion on CPU: the tile multiply now goes through a tiled view)."""
+    compile_case("cpu", TILED[recipe], False)
