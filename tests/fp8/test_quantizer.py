@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fp8shard as fs
 from fp8shard.fp8 import fused
@@ -143,6 +144,27 @@ def test_global_stats_give_every_shard_the_same_scales():
     q = BlockwiseQuantizer()
     tiles = torch.cat([q.local_stats(p, "weight") for p in w.split(128)])
     assert torch.equal(tiles, q.local_stats(w, "weight"))
+
+
+def _rowwise_cast_of_a_k_sharded_tensor() -> tuple[bytes, bytes]:
+    """Each rank holds a column slice (a K shard) of x: local row amaxes, MAX over the group,
+    then each rank casts its slice with the global scales."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = _randn(24, 64 * world, seed=5) * torch.logspace(-1, 1, 64 * world)  # columns differ in range
+    mine = x[:, rank * 64:(rank + 1) * 64]
+    q = RowwiseQuantizer()
+    stats = q.reduce(q.local_stats(mine, "activation"), group=dist.group.WORLD)
+    op = q.cast(mine, stats, E4M3, "activation")
+    gathered = [torch.empty_like(op.data.view(torch.uint8)) for _ in range(world)]
+    dist.all_gather(gathered, op.data.view(torch.uint8).contiguous())
+    whole, _ = q.quantize(x, E4M3, "activation")
+    return (torch.cat(gathered, dim=1).numpy().tobytes(), whole.data.view(torch.uint8).numpy().tobytes())
+
+
+def test_reduce_over_a_group_makes_shards_cast_as_the_whole_tensor(dist_pools):
+    results = dist_pools(2).run(_rowwise_cast_of_a_k_sharded_tensor)
+    for got, whole in results:
+        assert got == whole
 
 
 def test_zero_tiles_keep_scale_one_and_nan_stays_in_its_tile():
