@@ -156,40 +156,40 @@ class TensorwiseQuantizer:
 
 
 # ------------------------------------------------------------------------------ tiled recipes
+def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The 2-D ``x`` as tiles: [rb, br, cb, bc], zero-padded to whole tiles (a view if none)."""
+    rows, cols = x.shape
+    br, bc = block
+    rb, cb = -(-rows // br), -(-cols // bc)
+    if rb * br != rows or cb * bc != cols:
+        x = F.pad(x, (0, cb * bc - cols, 0, rb * br - rows))
+    return x.reshape(rb, br, cb, bc)
+
+
+def _untile(t: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """[rb, br, cb, bc] tiles back to a contiguous [R, C] (padding dropped)."""
+    rb, br, cb, bc = t.shape
+    return t.reshape(rb * br, cb * bc)[: shape[0], : shape[1]].contiguous()
+
+
 def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """fp32 max |x| of every ``block`` tile of the 2-D ``x``: [ceil(R/br), ceil(C/bc)].
 
     Partial tiles at the edges are padded with zeros (they never raise a max); a NaN in a tile
     gives that tile a NaN amax, as ``amax`` does for a whole tensor.
     """
-    rows, cols = x.shape
-    br, bc = block
-    rb, cb = -(-rows // br), -(-cols // bc)
-    a = x.detach().abs().float()
-    if rb * br != rows or cb * bc != cols:
-        a = F.pad(a, (0, cb * bc - cols, 0, rb * br - rows))
-    return a.reshape(rb, br, cb, bc).amax(dim=(1, 3))  # [rb, cb]
+    return _tiles(x.detach().abs().float(), block).amax(dim=(1, 3))  # [rb, cb]
 
 
 def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """fp32 ``x`` [R, C] times the per-tile values ``s`` [ceil(R/br), ceil(C/bc)], contiguous.
 
-    Multiplies tile by tile through a [rb, br, cb, bc] view instead of materializing ``s``
-    expanded to x's shape (Inductor's CPU code generator also rejects that expand + reshape).
+    Tile by tile through the [rb, br, cb, bc] view, never ``s`` expanded to x's shape
+    (Inductor's CPU code generator rejects that expand + reshape).
     """
-    rows, cols = x.shape
-    br, bc = block
-    rb, cb = s.shape
-    if br == 1 and cb == 1:
+    if block[0] == 1 and s.shape[1] == 1:
         return x.float() * s  # [R, 1] broadcasts over the row
-    xf = x.float()
-    if rb * br != rows or cb * bc != cols:
-        xf = F.pad(xf, (0, cb * bc - cols, 0, rb * br - rows))
-    out = (xf.reshape(rb, br, cb, bc) * s[:, None, :, None]).reshape(rb * br, cb * bc)
-    return out[:rows, :cols].contiguous()
-
-
-_ONE = torch.ones((), dtype=torch.float32)
+    return _untile(_tiles(x.float(), block) * s[:, None, :, None], x.shape)
 
 
 class _TiledQuantizer:
@@ -217,8 +217,11 @@ class _TiledQuantizer:
         scale = scale_from_amax(stats, fmt.max)
         if self.power_of_2_scales:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
-        # x * scale per tile in fp32, then the one FP8 encoding (times 1: exact).
-        data = cast_to_fp8(mul_tiles(x.detach(), scale, block), _ONE.to(x.device), fmt)
+        x = x.detach()
+        if block[0] == 1 and scale.shape[1] == 1:
+            data = cast_to_fp8(x, scale, fmt)  # [R, 1] scales broadcast over the rows
+        else:  # tile by tile: [rb, br, cb, bc] bytes times [rb, 1, cb, 1] scales
+            data = _untile(cast_to_fp8(_tiles(x, block), scale[:, None, :, None], fmt), x.shape)
         return Fp8Operand(data, scale.reciprocal(), block)
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
