@@ -21,7 +21,7 @@ and memory are the point.
 GPU mode (one CUDA device, world size 1, no forward): ``step()`` of DistributedFusedAdam on
 FP8 weights (bf16 grads) and on bf16 weights, vs ``torch.optim.AdamW(fused=True)`` on fp32,
 vs a device-to-device copy. Each DistributedFusedAdam variant runs on the PyTorch path
-(FP8SHARD_TRITON=0: fp32 grad copy, torch's fused Adam kernel, amax, cast chain) and on the
+(``fused=False``: fp32 grad copy, torch's fused Adam kernel, amax, cast chain) and on the
 fused Triton step ("triton": [Note: fused step] in fp8shard/optim/fused_step.py), the FP8 one
 with current and with delayed weight scaling. Effective bandwidth counts the minimum bytes a
 step must move: DFA-FP8 27 B/param (grad 2 read, master 4+4, m 4+4, v 4+4, FP8 weight 1
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -215,13 +214,13 @@ def _fake_backward(params: list[nn.Parameter]) -> None:
     loss.backward()
 
 
-# (row, weights, bytes per param, FP8SHARD_TRITON, FP8 weight scaling)
+# (row, weights, bytes per param, DistributedFusedAdam's fused step (None: AdamW), FP8 weight scaling)
 GPU_VARIANTS = [
-    ("dfa fp8", "fp8", 27, "0", "current"),
-    ("dfa fp8 triton", "fp8", 27, "1", "current"),
-    ("dfa fp8 triton delayed", "fp8", 27, "1", "delayed"),
-    ("dfa bf16", "bf16", 28, "0", "current"),
-    ("dfa bf16 triton", "bf16", 28, "1", "current"),
+    ("dfa fp8", "fp8", 27, False, "current"),
+    ("dfa fp8 triton", "fp8", 27, True, "current"),
+    ("dfa fp8 triton delayed", "fp8", 27, True, "delayed"),
+    ("dfa bf16", "bf16", 28, False, "current"),
+    ("dfa bf16 triton", "bf16", 28, True, "current"),
     ("adamw fused fp32", "fp32", 28, None, None),
 ]
 
@@ -231,40 +230,30 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--gpu needs CUDA")
     n = int(args.params_m * 1e6)
     rows = []
-    saved = {k: os.environ.get(k) for k in ("FP8SHARD_TRITON", "FP8SHARD_FUSED_ADAM")}
-    for name, weights, bytes_per_param, triton, scaling in GPU_VARIANTS:
+    for name, weights, bytes_per_param, fused_step, scaling in GPU_VARIANTS:
         params = _gpu_params(n, weights)
         count = sum(p.numel() for p in params)
-        if triton is not None:
-            os.environ["FP8SHARD_TRITON"] = triton  # read by every step()
-            os.environ["FP8SHARD_FUSED_ADAM"] = "1"  # the optimizer's opt-in to its fused step
+        if fused_step is not None:
             opt: torch.optim.Optimizer = DistributedFusedAdam(params, lr=1e-4, weight_decay=0.01,
-                                                              fp8_weight_scaling=scaling)
+                                                              fp8_weight_scaling=scaling, fused=fused_step)
         else:
             opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         times = []
-        try:
-            for it in range(args.warmup + args.reps):
-                _fake_backward(params)  # untimed: fills DFA's gradient buffers / param.grad
-                torch.cuda.synchronize()
-                t = _cuda_time(opt.step, 0, 1)
-                opt.zero_grad(set_to_none=True)
-                if it >= args.warmup:
-                    times.append(t)
-            fused = getattr(opt, "_fused", None) is not None
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        if triton == "1" and not fused:
+        for it in range(args.warmup + args.reps):
+            _fake_backward(params)  # untimed: fills DFA's gradient buffers / param.grad
+            torch.cuda.synchronize()
+            t = _cuda_time(opt.step, 0, 1)
+            opt.zero_grad(set_to_none=True)
+            if it >= args.warmup:
+                times.append(t)
+        fused = getattr(opt, "_fused", None) is not None
+        if fused_step and not fused:
             print(f"note: {name}: the Triton path did not run (is triton installed?)")
         sec = statistics.median(times)
         rows.append({"variant": name, "params": count, "step_s": sec, "bytes_per_param": bytes_per_param,
                      "effective_TBps": bytes_per_param * count / sec / 1e12,
                      "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9,
-                     "triton": triton == "1" and fused, "fp8_weight_scaling": scaling})
+                     "triton": bool(fused_step) and fused, "fp8_weight_scaling": scaling})
         del opt, params
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -3,7 +3,7 @@
     python benchmarks/bench_quantize.py [--device cpu|cuda] [--quick] [--out FILE.json]
 
 Each cast is timed on two paths in one run ([Note: fused cast] in fp8shard/fp8/fused.py):
-``reference`` calls the eager reference functions directly (what ``FP8SHARD_TRITON=0`` runs),
+``reference`` calls the eager reference functions directly (what ``fp8shard.set_triton(False)`` runs),
 ``triton`` the dispatch functions (the Triton kernels on CUDA; the rows are left out where the
 Triton path does not serve, e.g. on CPU). Rows, all E4M3:
 

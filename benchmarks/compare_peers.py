@@ -209,18 +209,12 @@ def _swap_to_torch_linear(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _compile_fp8shard(model: torch.nn.Module, recipe: Any, scope: str) -> str:
+def _compile_fp8shard(model: torch.nn.Module, recipe: Any, scope: str, backend: str) -> str:
     """Compile in place, as the training command's ``trainer.compile=true`` does."""
     from fp8shard.train.builders import compile_model
 
-    n = compile_model(model, recipe, scope)
+    n = compile_model(model, recipe, scope, backend)
     return f"compiled in place, trainer.compile_scope={scope} ({n} region(s))"
-
-
-def _compile_backend() -> str:
-    from fp8shard.train.builders import COMPILE_BACKEND_ENV
-
-    return os.environ.get(COMPILE_BACKEND_ENV, "").strip() or "inductor"
 
 
 def _torchao_filter(kind: str):
@@ -255,12 +249,43 @@ def _build_single(system: str, cfg: dict, device: torch.device, gpt: torch.nn.Mo
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=fused)
     notes.append(f"fp32 params, bf16 autocast, AdamW(fused={fused})")
     if cfg["compile_peers"]:
-        model.compile(backend=_compile_backend())
+        model.compile(backend=cfg.get("compile_backend", "inductor"))
         notes.append("whole model compiled")
     else:
         notes.append("eager (CPU without --compile)")
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     return model, opt, autocast, "; ".join(notes)
+
+
+class Fp8Context:
+    """fp8shard-fp8's forward context factory, and its amax update after each backward.
+
+    Calling it gives ``fp8_autocast``; ``after_backward()`` is the training command's
+    ``AmaxSync.step()`` under delayed scaling (one packed amax all-reduce over every rank,
+    [Note: amax reduction]), nothing under current scaling.
+    """
+
+    def __init__(self, model: torch.nn.Module, recipe: Any) -> None:
+        import fp8shard as fs
+
+        self.recipe = recipe
+        self.sync = fs.nn.AmaxSync(model) if isinstance(recipe, fs.DelayedScaling) else None
+
+    def __call__(self) -> Any:
+        import fp8shard as fs
+
+        return fs.fp8_autocast(enabled=True, recipe=self.recipe)
+
+    def after_backward(self) -> None:
+        if self.sync is not None:
+            self.sync.step()
+
+
+def after_backward(ctx: Any) -> None:
+    """What a system runs after each backward (fp8shard-fp8: the amax update), else nothing."""
+    hook = getattr(ctx, "after_backward", None)
+    if hook is not None:
+        hook()
 
 
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
@@ -275,6 +300,7 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     compiled = system.endswith(COMPILED)
     system = system.removesuffix(COMPILED)
     scope = cfg.get("compile_scope", "model")
+    backend = cfg.get("compile_backend", "inductor")
     if system in SINGLE:  # built on the CPU as the others, so all start from the same values
         return _build_single(system, cfg, device, GPT(gcfg))
     if system == "fp8shard-fp8":
@@ -284,12 +310,12 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
         note = f"{cfg.get('recipe', 'delayed')} scaling"
-        note += "; " + _compile_fp8shard(model, recipe, scope) if compiled else ""
-        return model, opt, lambda: fs.fp8_autocast(enabled=True, recipe=recipe), note
+        note += "; " + _compile_fp8shard(model, recipe, scope, backend) if compiled else ""
+        return model, opt, Fp8Context(model, recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
-        note = _compile_fp8shard(model, None, scope) if compiled else note
+        note = _compile_fp8shard(model, None, scope, backend) if compiled else note
         return model, opt, contextlib.nullcontext, note
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     if system in ("ddp-adamw", "zero-adamw"):
@@ -380,6 +406,7 @@ def run_system(system: str, cfg: dict) -> dict:
             t0 = time.perf_counter()
             loss = step_loss(model, ctx, x, y)
             loss.backward()
+            after_backward(ctx)
             opt.step()
             if step == cfg["steps"] - 1:  # measured while gradients exist
                 mem = persistent_bytes(model, opt)
@@ -430,6 +457,7 @@ def _config(args: argparse.Namespace) -> dict:
     size = getattr(args, "size", None)
     common = dict(recipe=getattr(args, "recipe", "delayed"),
                   compile_scope=getattr(args, "compile_scope", "model"),
+                  compile_backend=getattr(args, "compile_backend", "inductor"),
                   torchao_filter=getattr(args, "torchao_filter", None))
     if args.gpu:
         shape = GPU_SIZES[size or "1b"]
@@ -506,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                          "on CPU also compiles reference-bf16 and torchao-float8 (always on GPU)")
     ap.add_argument("--compile-scope", choices=("model", "graph", "blocks"), default="model",
                     help="what '+compile' compiles (trainer.compile_scope; default model)")
+    ap.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                    help="torch.compile backend of the compiled rows (trainer.compile_backend)")
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
                     help="fp8shard-fp8's scaling recipe (default: delayed, the training default)")
     ap.add_argument("--torchao-filter", choices=("auto", "all"), default=None,

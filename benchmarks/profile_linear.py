@@ -65,7 +65,7 @@ def profile(variant: str, mode: str, tokens: int, in_f: int, out_f: int, args: a
     ref = torch.nn.Linear(in_f, out_f, device=args.device, dtype=torch.bfloat16)
     x = torch.randn(tokens, in_f, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, out_f, device=args.device, dtype=torch.bfloat16)
-    layer, ctx = _build(variant, ref)
+    layer, ctx, after_backward = _build(variant, ref)
     if mode == "compile" and variant == "fp8 delayed":  # as bench_linear.py: state made beforehand
         import fp8shard as fs
 
@@ -79,6 +79,7 @@ def profile(variant: str, mode: str, tokens: int, in_f: int, out_f: int, args: a
         with ctx():
             y = model(x)
         y.backward(dy)
+        after_backward()  # delayed scaling: the amax update (AmaxSync.step)
         layer.zero_grad(set_to_none=True)
         x.grad = None
 

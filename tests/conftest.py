@@ -62,3 +62,14 @@ def _fp8_gemm_setting():
     gemm.set_fp8_gemm("auto")
     yield
     gemm.set_fp8_gemm("auto")
+
+
+@pytest.fixture(autouse=True)
+def _triton_setting():
+    """Each test starts with the Triton kernels switched on (the default): a test or an
+    in-process training run (``trainer.triton``) may switch them off process-wide."""
+    import fp8shard
+
+    fp8shard.set_triton(None)
+    yield
+    fp8shard.set_triton(None)

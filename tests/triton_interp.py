@@ -16,35 +16,17 @@ fma contraction, the hardware's NaN signs): the GPU tests (``-m gpu``, on the H2
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
 import pytest
 import torch
 
+from fp8shard.testing.triton_interp import gpu_like_conversions
+
 REASON = ("the interpreted-kernel tests need the triton package (Linux x86_64: "
           "pip install -e '.[interp]'; ./dev test installs it)")
-
-
-def gpu_like_conversions(convert: Callable) -> Callable:
-    """The interpreter's ``_convert_float`` with the GPU's fp32 -> bf16 and fp32 -> FP8 rounding
-    (see the module docstring); every other conversion is ``convert``'s. Import after
-    ``TRITON_INTERPRET=1`` is set."""
-    import numpy as np
-    import triton.language as tl
-
-    fp8 = {str(tl.float8e4nv): torch.float8_e4m3fn, str(tl.float8e5): torch.float8_e5m2}
-
-    def gpu_like_convert(data, src, dst, rounding_mode):  # type: ignore[no-untyped-def]
-        if src == tl.float32 and ((dst == tl.bfloat16 and rounding_mode is None) or str(dst) in fp8):
-            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            if dst == tl.bfloat16:
-                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return t.to(fp8[str(dst)]).view(torch.uint8).numpy()
-        return convert(data, src, dst, rounding_mode)
-
-    return gpu_like_convert
 
 
 @contextmanager

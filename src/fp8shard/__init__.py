@@ -4,6 +4,7 @@ See docs/design.md for the data flow and the [Note: ...] conventions cited in th
 """
 
 from fp8shard import nn
+from fp8shard._triton import get_triton, set_triton
 from fp8shard.fp8 import (
     BlockwiseScaling,
     CurrentScaling,
@@ -15,13 +16,12 @@ from fp8shard.fp8 import (
     get_fp8_gemm,
     set_fp8_gemm,
 )
-from fp8shard.nn import convert_to_fp8, fp8_autocast, fp8_model_init
+from fp8shard.nn import AmaxSync, convert_to_fp8, fp8_autocast, fp8_model_init
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "convert_to_fp8", "fp8_autocast", "fp8_model_init", "nn",
+    "AmaxSync", "convert_to_fp8", "fp8_autocast", "fp8_model_init", "nn",
     "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format", "RecipeFormat",
-    "RowwiseScaling", "__version__",
-    "get_fp8_gemm", "set_fp8_gemm",
+    "RowwiseScaling", "__version__", "get_fp8_gemm", "set_fp8_gemm", "get_triton", "set_triton",
 ]

@@ -6,18 +6,20 @@ specification: the tests compare the two. A Triton kernel serves a call only whe
 * ``triton`` imports (it ships with the CUDA builds of PyTorch);
 * the tensors are on a CUDA device;
 * we are not being traced by ``torch.compile`` (Inductor fuses the reference path itself);
-* the environment does not say ``FP8SHARD_TRITON=0`` (to measure or debug the reference path).
+* the kernels are switched on: ``fp8shard.set_triton`` (default on; the training command's
+  ``trainer.triton``) -- off measures or debugs the reference path.
 
-The optimizer's fused step can be turned off alone with ``FP8SHARD_FUSED_ADAM=0``
-(``fused_adam_enabled``).
+The optimizer's fused step has its own switch, ``DistributedFusedAdam(fused=...)``
+(``model.optim.fused``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+_enabled = True  # set_triton(None) restores it
 
 
 @functools.cache
@@ -30,33 +32,26 @@ def triton_importable() -> bool:
     return True
 
 
-def _env_flag(name: str, default: str) -> bool:
-    # Read at every call (tests and benchmarks flip it), parsed once per value: this runs for
-    # every FP8 cast, on the host path the GPU waits for.
-    return _parse_flag(name, os.environ.get(name, default))
+def set_triton(enabled: bool | None) -> None:
+    """Let fp8shard's Triton kernels serve the calls they can (``True``, the default) or take the
+    PyTorch reference paths everywhere (``False``: to measure or debug them); ``None`` restores the
+    default. Process-wide; the training command sets it from ``trainer.triton``."""
+    global _enabled
+    if enabled is None:
+        enabled = True
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_triton takes True, False or None (the default), got {enabled!r}")
+    _enabled = enabled
 
 
-@functools.lru_cache(maxsize=64)
-def _parse_flag(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on")
+def get_triton() -> bool:
+    """The setting made with :func:`set_triton` (``True`` unless changed)."""
+    return _enabled
 
 
 def triton_enabled() -> bool:
-    """Whether the environment allows the Triton kernels (``FP8SHARD_TRITON``, default on)."""
-    return _env_flag("FP8SHARD_TRITON", "1")
-
-
-def fused_adam_enabled() -> bool:
-    """Whether ``DistributedFusedAdam`` may take its fused Triton step (``FP8SHARD_FUSED_ADAM``).
-
-    Default on: the kernels match their reference on the H200 (tests/optim/test_fused_step.py,
-    GPU-marked) and under Triton's interpreter on the CPU. ``FP8SHARD_FUSED_ADAM=0`` takes the
-    PyTorch path (to compare, or to debug); ``FP8SHARD_TRITON=0`` turns them off too.
-    """
-    return _env_flag("FP8SHARD_FUSED_ADAM", "1")
+    """Whether the Triton kernels are switched on (:func:`get_triton`)."""
+    return _enabled
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -65,4 +60,4 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
-    return triton_enabled() and triton_importable()
+    return _enabled and triton_importable()

@@ -104,7 +104,8 @@ def evaluate(pre: Pretrained, tokens: np.ndarray, num_windows: int, precision: s
         raise PretrainedError(f"the data holds {len(tokens)} tokens: not one window of {seq + 1}")
     if precision == "trained":
         model = pre.trained_model(device)
-        ctx = lambda: pre.forward_context(device)
+        sync = pre.amax_sync(model)  # delayed scaling: scales updated after each forward, as validated
+        ctx = lambda: pre.forward_context(device, sync)
     else:
         model = pre.model(dtype=precision, device=device)
         ctx = None

@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = prompt_ids(pre, args.prompt, args.prompt_ids)
         if args.precision == "trained":
             model = pre.trained_model(args.device)
-            ctx: Callable[[], contextlib.AbstractContextManager] = lambda: pre.forward_context(args.device)
+            sync = pre.amax_sync(model)  # delayed scaling: scales updated after each forward
+            ctx: Callable[[], contextlib.AbstractContextManager] = \
+                lambda: pre.forward_context(args.device, sync)
         else:
             model, ctx = pre.model(device=args.device), contextlib.nullcontext
     except PretrainedError as e:

@@ -144,13 +144,28 @@ class Pretrained:
         load_model_weights(self.checkpoint, model, hp_from_master=False)
         return model.eval()
 
-    def forward_context(self, device: str | torch.device = "cpu") -> contextlib.ExitStack:
+    def amax_sync(self, model: torch.nn.Module) -> Any:
+        """An ``fs.nn.AmaxSync`` of ``model`` (from :meth:`trained_model`) when the run used
+        delayed scaling, else None: give it to :meth:`forward_context` to update the scales after
+        each forward, as the run's validation did ([Note: amax reduction])."""
+        import fp8shard as fs
+        from fp8shard.train.builders import build_recipe
+
+        if self.config.model.fp8 and isinstance(build_recipe(self.config), fs.DelayedScaling):
+            return fs.nn.AmaxSync(model)
+        return None
+
+    def forward_context(self, device: str | torch.device = "cpu",
+                        amax_sync: Any = None) -> contextlib.ExitStack:
         """The run's autocast: bf16 outside the FP8 GEMMs (trainer.precision=bf16-mixed) and
-        fp8_autocast with the run's recipe (model.fp8), as its validation used them."""
+        fp8_autocast with the run's recipe (model.fp8), as its validation used them; with
+        ``amax_sync`` (:meth:`amax_sync`) its ``step()`` runs at the end, after the forward."""
         import fp8shard as fs
         from fp8shard.train.builders import build_recipe
 
         stack = contextlib.ExitStack()
+        if amax_sync is not None:
+            stack.callback(amax_sync.step)  # registered first: runs last, after the autocasts
         if self.config.trainer.precision == "bf16-mixed":
             stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
         if self.config.model.fp8:

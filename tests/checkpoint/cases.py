@@ -18,7 +18,6 @@ import fp8shard as fs
 from fp8shard.checkpoint import load_checkpoint, save_checkpoint
 from fp8shard.fp8 import Float8Tensor
 from fp8shard.models import GPT, GPTConfig
-from fp8shard.nn import autocast
 from fp8shard.optim import DistributedFusedAdam
 
 SEQ, GLOBAL_ROWS, VOCAB = 8, 6, 64
@@ -33,7 +32,6 @@ def rank_world() -> tuple[int, int]:
 
 def build_model(seed: int = 0, fp8: bool = True) -> GPT:
     """A fresh tiny GPT (bf16; FP8 block weights with ``fp8``); ``seed`` changes every value."""
-    autocast._pending.clear()  # layers of a model an earlier case (same pool worker) left pending
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, num_layers=2, hidden_size=32,
                     ffn_hidden_size=64, num_attention_heads=2)
@@ -68,13 +66,15 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(model: GPT, opt: DistributedFusedAdam, first: int, last: int, fp8: bool = True) -> list[float]:
     """Steps ``first..last-1``; returns each step's loss averaged over the ranks (as an fp32)."""
     recipe = fs.DelayedScaling(amax_history_len=4)
-    group = dist.group.WORLD if dist.is_initialized() else None
+    sync = fs.nn.AmaxSync(model) if fp8 else None  # over every rank of the pool
     losses = []
     for step in range(first, last):
         x, y = batch(step)
-        with fs.fp8_autocast(enabled=fp8, recipe=recipe, fp8_group=group):
+        with fs.fp8_autocast(enabled=fp8, recipe=recipe):
             loss = model(x, y)
         loss.backward()
+        if sync is not None:
+            sync.step()
         opt.clip_grad_norm(1.0)
         opt.step()
         opt.zero_grad()
@@ -129,7 +129,6 @@ def run_save(path: str, steps: int, **kw: Any) -> dict[str, Any]:
     model, opt = build(**kw)
     losses = train(model, opt, 0, steps, kw.get("fp8", True))
     save_checkpoint(path, model, opt, extra={"step": steps, "note": "hello"}, step=steps)
-    fs.nn.reduce_and_update_amaxes()  # a no-op after the save: it reduced them
     return {"losses": losses, "model": model_digests(model), "optim": optimizer_digest(opt)}
 
 

@@ -7,17 +7,6 @@ the same path is the training command's ``checkpoint.every_n_steps`` on the H200
 
 from __future__ import annotations
 
-import pytest
-
-from fp8shard.nn import autocast
 from tests.conftest import pools_fixture
 
 dist_pools = pools_fixture("gloo")
-
-
-@pytest.fixture(autouse=True)
-def _no_pending_amaxes():
-    """No delayed-scaling layers of an earlier test's model pending in this process."""
-    autocast._pending.clear()
-    yield
-    autocast._pending.clear()

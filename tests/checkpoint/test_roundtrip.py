@@ -53,3 +53,27 @@ def test_latest_pointer_and_keep_last(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003", "step_00000004"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
     assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_save_runs_no_amax_reduction(tmp_path):
+    """The delayed-scaling amaxes belong to AmaxSync ([Note: amax reduction]): a save neither
+    reduces nor rolls them (it used to run the reduction fp8_autocast entry did), and what it
+    wrote loads back as it was, an informed history ([Note: informed first call])."""
+    import fp8shard as fs
+
+    model = cases.build_model(seed=0, fp8=True)
+    x, y = cases.batch(0)
+    with fs.fp8_autocast(recipe=fs.DelayedScaling(amax_history_len=4)):
+        model(x, y).backward()
+    layers = [m for m in model.modules() if isinstance(m, fs.nn.Linear) and m._amax_state is not None]
+    before = [(m.fp8_amax_history.clone(), m.fp8_scale.clone()) for m in layers]
+    assert layers and all(bool((h[0] > 0).any()) for h, _ in before)  # recorded, not reduced
+    save_checkpoint(tmp_path / "step_1", model, step=1)
+    for m, (hist, scale) in zip(layers, before, strict=True):
+        assert torch.equal(m.fp8_amax_history, hist) and torch.equal(m.fp8_scale, scale)
+    fresh = cases.build_model(seed=5, fp8=True)
+    load_checkpoint(tmp_path / "step_1", fresh)
+    loaded = [m for m in fresh.modules() if isinstance(m, fs.nn.Linear) and hasattr(m, "fp8_amax_history")]
+    assert [torch.equal(m.fp8_amax_history, h) for m, (h, _) in zip(loaded, before, strict=True)] == \
+        [True] * len(before)
+    assert not any(m._fp8_history_empty for m in loaded)

@@ -265,14 +265,14 @@ def test_triton_tensors_past_2_to_the_31_elements(shape):
 
 
 @pytest.mark.gpu
-def test_float8tensor_quantize_takes_the_triton_path(monkeypatch):
+def test_float8tensor_quantize_takes_the_triton_path():
     x = make_input((513, 257), torch.bfloat16, "wide", device="cuda", seed=9)
     before = fused.triton_calls["quantize_current"]
     t = fs.Float8Tensor.quantize(x, "e4m3")
     assert fused.triton_calls["quantize_current"] == before + 1
     t.quantize_(x * 3)
     assert fused.triton_calls["quantize_current"] == before + 2
-    monkeypatch.setenv("FP8SHARD_TRITON", "0")
+    fs.set_triton(False)
     r = fs.Float8Tensor.quantize(x, "e4m3")
     r.quantize_(x * 3)
     assert fused.triton_calls["quantize_current"] == before + 2
@@ -283,6 +283,7 @@ def _linear_run(recipe, fp8_params: bool, shape, dtype):
     torch.manual_seed(0)
     with fs.fp8_model_init(enabled=fp8_params):
         layer = fs.nn.Linear(shape[-1], 96, device="cuda", dtype=dtype)
+    sync = fs.nn.AmaxSync(layer)  # delayed scaling: the amax update after each backward
     outs = []
     for step in range(3):  # delayed scaling: steps 2 and 3 use scales from the history
         g = torch.Generator(device="cuda").manual_seed(step)
@@ -291,9 +292,9 @@ def _linear_run(recipe, fp8_params: bool, shape, dtype):
         with fs.fp8_autocast(enabled=True, recipe=recipe):
             y = layer(x)
         y.backward(dy)
+        sync.step()
         outs += [y.detach(), x.grad, layer.weight.grad.clone()]
         layer.weight.grad = None
-    fs.nn.reduce_and_update_amaxes()
     for name in ("fp8_amax_history", "fp8_scale"):
         if hasattr(layer, name):
             outs.append(getattr(layer, name).clone())
@@ -305,12 +306,12 @@ def _linear_run(recipe, fp8_params: bool, shape, dtype):
                          ids=["current", "delayed"])
 @pytest.mark.parametrize("fp8_params", [False, True], ids=["hp_weight", "fp8_weight"])
 @pytest.mark.parametrize("shape", [(4, 64, 256), (3, 37, 48)], ids=["aligned", "odd"])
-def test_linear_triton_equals_reference_bit_for_bit(monkeypatch, recipe, fp8_params, shape):
-    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+def test_linear_triton_equals_reference_bit_for_bit(recipe, fp8_params, shape):
+    fs.set_triton(True)
     before = sum(fused.triton_calls.values())
     got = _linear_run(recipe, fp8_params, shape, torch.bfloat16)
     assert sum(fused.triton_calls.values()) > before, "the Triton path was not taken"
-    monkeypatch.setenv("FP8SHARD_TRITON", "0")
+    fs.set_triton(False)
     ref = _linear_run(recipe, fp8_params, shape, torch.bfloat16)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a.dtype == b.dtype and bits_equal(a.view(-1), b.view(-1)), f"output {i} differs"

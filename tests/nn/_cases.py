@@ -53,11 +53,13 @@ def bit_identical_case(device: str, recipe: object) -> None:
         hp_layer.bias.copy_(fp8_layer.bias)
     gen = torch.Generator().manual_seed(2)
     steps = 2 if isinstance(recipe, fs.DelayedScaling) else 1
+    sync = fs.nn.AmaxSync(torch.nn.ModuleList([fp8_layer, hp_layer]))
     for _ in range(steps):  # delayed: step 1 teaches the hp layer its weight's scale
         x = torch.randn(4, TOKENS // 4, IN, generator=gen).to(device)
         dy = torch.randn(4, TOKENS // 4, OUT, generator=gen).to(device)
         got_fp8 = fwd_bwd(fp8_layer, x, dy, recipe)
         got_hp = fwd_bwd(hp_layer, x, dy, recipe)
+        sync.step()
     if isinstance(recipe, fs.DelayedScaling):
         # the precondition of the comparison: the hp weight was cast with the FP8 weight's scale
         assert torch.equal(hp_layer.fp8_scale[1].reciprocal(), fp8_layer.weight.scale_inv)
@@ -81,6 +83,7 @@ def compile_case(device: str, recipe: object, fp8_params: bool) -> None:
 
     eager, compiled_inner = build(), build()
     compiled = torch.compile(compiled_inner)
+    syncs = {id(eager): fs.nn.AmaxSync(eager), id(compiled): fs.nn.AmaxSync(compiled_inner)}
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         x = torch.randn(2, 16, 64, generator=gen).to(device)
@@ -91,12 +94,12 @@ def compile_case(device: str, recipe: object, fp8_params: bool) -> None:
             with fs.fp8_autocast(recipe=recipe):
                 y = model(xi)
             y.backward(dy)
+            syncs[id(model)].step()
             first = getattr(model, "_orig_mod", model)[0]
             results.append((y.detach(), xi.grad, first.weight.grad.clone()))
             model.zero_grad(set_to_none=True)
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    fs.nn.reduce_and_update_amaxes()
     if isinstance(recipe, fs.DelayedScaling):
         for a, b in zip(eager.modules(), compiled_inner.modules(), strict=True):
             if isinstance(a, Linear):

@@ -1,5 +1,5 @@
-"""Delayed scaling: the amax history rolls and the scales update as [Note: scale] says, and the
-amaxes of all layers are MAX-reduced over the group in one collective per step."""
+"""Delayed scaling: the amax history rolls and the scales update as [Note: scale] says, and
+``AmaxSync.step()`` MAX-reduces the amaxes of all layers over the group in one collective."""
 
 from __future__ import annotations
 
@@ -38,18 +38,21 @@ def test_history_rolls_and_scales_update_as_specified(algo):
     x_amaxes, dy_amaxes = [1.0, 6.0, 2.0, 0.5, 3.0], [1e-3, 4e-4, 8e-3, 1e-3, 2e-4]
     completed: list[list[float]] = []
     expected_scale = torch.ones(3)
+    sync = fs.nn.AmaxSync(layer)
     for xa, ga in zip(x_amaxes, dy_amaxes, strict=True):
         x, dy = _with_amax((8, 16), xa, gen), _with_amax((8, 32), ga, gen)
         y = fwd_bwd(layer, x, dy, recipe)[0]
-        # this step cast with the scales of the previous update ...
+        # this step cast with the scales of the previous update (the first: with its own
+        # amaxes, as current scaling, [Note: informed first call]) ...
         assert torch.equal(layer.fp8_scale, expected_scale.float())
-        xq = fs.Float8Tensor.quantize(x, scale=layer.fp8_scale[0]).dequantize()
-        wq = fs.Float8Tensor.quantize(layer.weight.detach(), scale=layer.fp8_scale[1]).dequantize()
+        used = FMT_MAX / torch.tensor([xa, w_amax, ga]) if not completed else layer.fp8_scale
+        xq = fs.Float8Tensor.quantize(x, scale=used[0]).dequantize()
+        wq = fs.Float8Tensor.quantize(layer.weight.detach(), scale=used[1]).dequantize()
         torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-5)
         # ... and recorded its own amaxes in the free row 0
         pending = [xa, w_amax, ga]
         torch.testing.assert_close(layer.fp8_amax_history[0], torch.tensor(pending), rtol=0, atol=0)
-        assert fs.nn.reduce_and_update_amaxes() == 1
+        assert sync.step() == 1
         window = torch.tensor([*completed[-(length - 1):], pending])  # the rows the update sees
         amax = window.amax(dim=0) if algo == "max" else window[-1]
         expected_scale = FMT_MAX / amax / 2**margin
@@ -61,71 +64,131 @@ def test_history_rolls_and_scales_update_as_specified(algo):
         assert layer.fp8_scale[0] == 448.0 / 3.0 / 2
 
 
-def test_layers_update_only_at_the_next_autocast_entry():
+class _CountingAllReduce:
+    """Wraps ``torch.distributed.all_reduce`` (what the collectives module calls) to count calls;
+    ``fail=True``: any call is an error (nothing may communicate)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.numels: list[int] = []
+        self.fail = fail
+
+    def __enter__(self) -> _CountingAllReduce:
+        self.original = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            if self.fail:
+                raise AssertionError("an all-reduce where none may run")
+            self.numels.append(tensor.numel())
+            return self.original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self.original
+
+
+def test_autocast_entry_neither_updates_nor_communicates():
     torch.manual_seed(0)
     layer = Linear(16, 16)
     recipe = fs.DelayedScaling(amax_history_len=4)
     fwd_bwd(layer, torch.randn(4, 16), torch.randn(4, 16), recipe)
-    assert torch.equal(layer.fp8_scale, torch.ones(3))  # not yet: backward amaxes came last
-    with fs.fp8_autocast(recipe=recipe):
-        assert not torch.equal(layer.fp8_scale, torch.ones(3))
-        assert torch.equal(layer.fp8_amax_history[0], torch.zeros(3))
-        with fs.fp8_autocast(recipe=recipe):  # nested: no second update
-            assert fs.nn.autocast._pending == {}
+    recorded = layer.fp8_amax_history[0].clone()
+    assert (recorded > 0).all()
+    with _CountingAllReduce(fail=True), fs.fp8_autocast(recipe=recipe):
+        # no update on entry: row 0 still holds the amaxes, the scales are the initial ones
+        assert torch.equal(layer.fp8_amax_history[0], recorded)
+        assert torch.equal(layer.fp8_scale, torch.ones(3))
+    assert fs.nn.AmaxSync(layer).step() == 1
+    assert torch.equal(layer.fp8_amax_history[-1], recorded)  # rolled into the window
+    assert torch.equal(layer.fp8_amax_history[0], torch.zeros(3))
+    assert torch.equal(layer.fp8_scale, FMT_MAX / recorded)
 
 
-def _step(model: torch.nn.Sequential, x: torch.Tensor, dy: torch.Tensor, recipe: object) -> None:
-    with fs.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
-        y = model(x)
-    y.backward(dy)
+def test_single_process_step_updates_without_a_collective():
+    """Without a process group AmaxSync.step() runs no collective and updates every layer
+    exactly as the layer-by-layer ``update_fp8_scales`` does."""
+    assert not dist.is_initialized()
+    recipe = fs.DelayedScaling(amax_history_len=4)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(Linear(16, 32), torch.nn.ReLU(), Linear(32, 8)))
+    sync = fs.nn.AmaxSync(models[0])
+    assert sync.world_size == 1
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, dy = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+        for model in models:
+            fwd_bwd(model, x, dy, recipe)
+        with _CountingAllReduce(fail=True):
+            assert sync.step() == 2
+        for layer in (models[1][0], models[1][2]):
+            layer.update_fp8_scales()
+    for a, b in zip(models[0].buffers(), models[1].buffers(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(models[0][0].fp8_scale, torch.ones(3))
+    assert sync.counter.total_calls["all_reduce.fp8_activation_amax"] == 3  # counted, not sent
+
+
+def test_bad_input_and_the_moved_group_argument():
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        fs.nn.AmaxSync([Linear(4, 4)])
+    with pytest.raises(ValueError, match=r"convert_to_fp8"):
+        fs.nn.AmaxSync(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="init_process_group"):
+        fs.nn.AmaxSync(Linear(4, 4), group=object())  # a group, but no process group initialized
+    with pytest.raises(TypeError, match=r"AmaxSync\(model, group\)"):
+        fs.nn.reduce_and_update_amaxes()  # no registry to find the layers in any more
+    with pytest.warns(FutureWarning, match=r"fs\.nn\.AmaxSync\(model, group=fp8_group\)"):
+        with fs.fp8_autocast(recipe=fs.DelayedScaling(), fp8_group=object()):
+            pass
+    assert fs.AmaxSync is fs.nn.AmaxSync
 
 
 def _amax_reduction_worker(steps: int) -> dict:
     rank = dist.get_rank()
-    fs.nn.reduce_and_update_amaxes()  # nothing left over from an earlier task in this worker
     torch.manual_seed(0)  # the same weights on every rank
     model = torch.nn.Sequential(Linear(32, 64), torch.nn.ReLU(), Linear(64, 48), Linear(48, 16))
     layers = [m for m in model if isinstance(m, Linear)]
     recipe = fs.DelayedScaling(amax_history_len=8)
     gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    calls: list[int] = []
-    original = dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
-        per_step = []
+    sync = fs.nn.AmaxSync(model, group=dist.group.WORLD)
+    per_entry, per_sync, local, reduced = [], [], [], []
+    with _CountingAllReduce() as calls:
         for _ in range(steps):
-            before = len(calls)
+            before = len(calls.numels)
             x = torch.randn(8, 32, generator=gen) * (1 + 3 * rank)
-            _step(model, x, torch.randn(8, 16, generator=gen) * (1 + rank), recipe)
-            per_step.append(len(calls) - before)
-        local = torch.stack([m.fp8_amax_history[0].clone() for m in layers])
-        fs.nn.reduce_and_update_amaxes()  # the last step's amaxes, reduced: history[-1]
-        reduced = torch.stack([m.fp8_amax_history[-1].clone() for m in layers])
-    finally:
-        dist.all_reduce = original
+            with fs.fp8_autocast(recipe=recipe):
+                y = model(x)
+            y.backward(torch.randn(8, 16, generator=gen) * (1 + rank))
+            per_entry.append(len(calls.numels) - before)  # autocast, forward, backward: none
+            local.append(torch.stack([m.fp8_amax_history[0].clone() for m in layers]))
+            sync.step()
+            per_sync.append(len(calls.numels) - before - per_entry[-1])
+            reduced.append(torch.stack([m.fp8_amax_history[-1].clone() for m in layers]))
     scales = torch.stack([m.fp8_scale.clone() for m in layers])
-    return {"per_step": per_step, "numels": calls, "local": local, "reduced": reduced,
-            "scales": scales}
+    return {"per_entry": per_entry, "per_sync": per_sync, "numels": calls.numels,
+            "local": torch.stack(local), "reduced": torch.stack(reduced), "scales": scales,
+            "counted": sync.counter.total_calls["all_reduce.fp8_activation_amax"]}
 
 
-def test_amaxes_are_reduced_in_one_all_reduce_per_step(dist_pools):
+def test_amax_sync_reduces_in_one_all_reduce_per_step(dist_pools):
     steps = 3
     results = dist_pools(2).run(_amax_reduction_worker, steps)
     for r in results:
-        # step 1 has nothing to reduce; then one packed call per step, 3 layers x 3 operands
-        assert r["per_step"] == [0] + [1] * (steps - 1)
-        assert r["numels"] == [9] * steps
-    local = torch.stack([r["local"] for r in results])  # [rank, layer, operand]
+        assert r["per_entry"] == [0] * steps  # fp8_autocast entry, forward, backward: no collective
+        assert r["per_sync"] == [1] * steps  # one packed call, 3 layers x 3 operands
+        assert r["numels"] == [9] * steps and r["counted"] == steps
+    local = torch.stack([r["local"] for r in results])  # [rank, step, layer, operand]
     assert not torch.equal(local[0], local[1])  # the ranks really saw different data
-    expected = local.amax(dim=0)
+    expected = local.amax(dim=0)  # the global max, step by step
     for r in results:
         assert torch.equal(r["reduced"], expected)
-        assert torch.equal(r["scales"], results[0]["scales"])  # every rank: the same scales
+    # the scales every rank computed are those of the global history (window max, margin 0)
+    fmt_max = FMT_MAX.expand(3, 3)
+    assert torch.equal(results[0]["scales"], fmt_max / expected.amax(dim=0))
+    assert torch.equal(results[1]["scales"], results[0]["scales"])
 
 
 def _layers_with_amaxes(recipes: list[fs.DelayedScaling], seed: int) -> list[Linear]:
@@ -146,11 +209,10 @@ def _layers_with_amaxes(recipes: list[fs.DelayedScaling], seed: int) -> list[Lin
     return layers
 
 
-@pytest.mark.parametrize("only_if_ran", [False, True], ids=["pending", "prepared"])
-def test_batched_scale_update_equals_layer_by_layer(only_if_ran):
+def test_batched_scale_update_equals_layer_by_layer():
     """[Note: batched scale update]: one stacked update gives the bits the layer-by-layer
-    ``update_fp8_scales`` gives, for layers of several recipes in one reduction."""
-    from fp8shard.nn.autocast import _reduce_group
+    ``update_fp8_scales`` gives, for layers of several recipes in one reduction; a layer that
+    recorded nothing keeps its state."""
 
     recipes = [fs.DelayedScaling(amax_history_len=4), fs.DelayedScaling(amax_history_len=4),
                fs.DelayedScaling(amax_history_len=4, margin=2),
@@ -158,10 +220,9 @@ def test_batched_scale_update_equals_layer_by_layer(only_if_ran):
                fs.DelayedScaling(amax_history_len=4)]
     batched, reference = _layers_with_amaxes(recipes, 0), _layers_with_amaxes(recipes, 0)
     hist_ids = [id(m.fp8_amax_history) for m in batched]
-    _reduce_group(batched, None, only_if_ran=only_if_ran)
+    assert fs.nn.AmaxSync(torch.nn.ModuleList(batched)).step() == len(batched)
     for layer in reference:  # the specification: one layer at a time
-        ran = bool((layer.fp8_amax_history[0] != 0).any())
-        if ran or not only_if_ran:
+        if bool((layer.fp8_amax_history[0] != 0).any()):
             layer.update_fp8_scales()
     for a, b in zip(batched, reference, strict=True):
         assert torch.equal(a.fp8_amax_history.nan_to_num(-1), b.fp8_amax_history.nan_to_num(-1))
@@ -176,8 +237,6 @@ def test_scale_update_costs_the_same_ops_for_any_layer_count():
     number of layers, where a loop over layers costs some twenty per layer."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fp8shard.nn.autocast import _reduce_group
-
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -189,9 +248,10 @@ def test_scale_update_costs_the_same_ops_for_any_layer_count():
 
     counts = []
     for n_layers in (4, 32):
-        layers = _layers_with_amaxes([fs.DelayedScaling(amax_history_len=4)] * n_layers, 1)
+        sync = fs.nn.AmaxSync(torch.nn.ModuleList(
+            _layers_with_amaxes([fs.DelayedScaling(amax_history_len=4)] * n_layers, 1)))
         with Count() as c:
-            _reduce_group(layers, None, only_if_ran=True)
+            sync.step()
         counts.append(c.n)
     # stack, unbind and _foreach_copy_ count once per call here (views and one fused copy)
     assert counts[1] <= counts[0] + 2 * (32 - 4), counts  # unbind views only, no per-layer math

@@ -71,9 +71,11 @@ def test_delayed_scaling_saturates_on_a_jump_where_current_scaling_does_not():
     current_layer.load_state_dict(delayed_layer.state_dict())
     delayed, current = fs.DelayedScaling(amax_history_len=8), fs.CurrentScaling()
     w64 = delayed_layer.weight.detach().double()
+    sync = fs.nn.AmaxSync(delayed_layer)
     for _ in range(4):  # warm-up: the history learns amax of N(0, 1) inputs
         x, dy = torch.randn(128, 512, generator=gen), torch.randn(128, 256, generator=gen)
         fwd_bwd(delayed_layer, x, dy, delayed)
+        sync.step()
     x_big = 4 * torch.randn(128, 512, generator=gen)
     ref = x_big.double() @ w64.t() + delayed_layer.bias.double()
     y_delayed = fwd_bwd(delayed_layer, x_big, dy, delayed)[0]
@@ -85,6 +87,7 @@ def test_delayed_scaling_saturates_on_a_jump_where_current_scaling_does_not():
     assert sqnr_current >= 25
     assert sqnr_delayed < sqnr_current - 10, (sqnr_delayed, sqnr_current)
     # one step later the scale has caught up and the precision is back
+    sync.step()
     x_big2 = 4 * torch.randn(128, 512, generator=gen)
     y_after = fwd_bwd(delayed_layer, x_big2, dy, delayed)[0]
     assert sqnr_db(x_big2.double() @ w64.t() + delayed_layer.bias.double(), y_after) >= 25

@@ -395,9 +395,11 @@ def train_fp8_linears(steps: int) -> str:
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY_BUCKET_MB)
     assert torch.equal(opt.state_dict()["state"][0]["master"], init)  # not the FP8 bytes
     weights = [model[0].weight, model[2].weight]
+    amax_sync = fs.nn.AmaxSync(model)  # delayed scaling: activation amaxes over every rank
     for step in range(1, steps + 1):
         with fs.fp8_autocast(enabled=True):
             model(batch(step, rank)).square().mean().backward()
+        amax_sync.step()
         stale = [w.fp8_transpose() for w in weights]  # cached for the backward GEMM
         stale = [t.clone() for t in stale]
         opt.step()

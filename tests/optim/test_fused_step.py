@@ -9,9 +9,10 @@ GPU (``-m gpu``, the H200): the Triton kernels against the reference on fresh ra
 layouts with parameters straddling buckets and shards and sizes that are not multiples of the
 tile: FP8 bytes bit-exact with ``cast_to_fp8`` of the Triton master, amax bit-exact, nothing
 outside the tiles written, master / exp_avg / exp_avg_sq within ``ULPS`` ulps (below) of the
-CUDA foreach reference; and ``DistributedFusedAdam`` trained with FP8SHARD_TRITON=1 against
-FP8SHARD_TRITON=0 (PyTorch's fused Adam kernel + the cast chain) to a stated tolerance. The same
-kernel checks run on the CPU under Triton's interpreter in ``test_fused_step_interpreted.py``.
+CUDA foreach reference; and ``DistributedFusedAdam`` trained with ``fp8shard.set_triton(True)``
+against ``set_triton(False)`` (PyTorch's fused Adam kernel + the cast chain) to a stated
+tolerance. The same kernel checks run on the CPU under Triton's interpreter in
+``test_fused_step_interpreted.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import fp8shard
 from fp8shard.fp8 import Float8Tensor, Fp8Format, cast_to_fp8
 from fp8shard.optim import DistributedFusedAdam
 from fp8shard.optim import fused_step as fs
@@ -255,13 +257,13 @@ def test_reference_ops_reproduce_the_optimizer_ops(dtype, adam_w, mode):
             assert torch.equal(rb.param_buffer[b:b + n], ref.param_buffer[b:b + n])
 
 
-def _train(fused: bool | None, steps: int = 3, clip: float | None = None, nan_at: int | None = None,
+def _train(fused_path: bool | None, steps: int = 3, clip: float | None = None, nan_at: int | None = None,
            groups: bool = False, **kw) -> tuple[nn.Module, DistributedFusedAdam, list[float]]:
     torch.manual_seed(0)
     model = TinyMixed()
     opt = DistributedFusedAdam(param_groups(model) if groups else model.parameters(), lr=2e-2,
                                weight_decay=0.05, bucket_cap_mb=TINY_BUCKET_MB, **kw)
-    opt._fused_path = fused
+    opt._fused_path = fused_path  # None: the optimizer's own choice (its ``fused`` argument, Triton)
     rank = dist.get_rank() if dist.is_initialized() else 0
     norms = []
     for step in range(1, steps + 1):
@@ -382,7 +384,7 @@ def check_kernels(world: int, rank: int, sizes: list[int], dtype: torch.dtype, *
     the Triton interpreter)."""
     rb = _region(world, rank, sizes, dtype, bucket=bucket, align=align, grad_dtype=grad_dtype,
                  state_dtype=state_dtype, device=device, seed=seed)
-    assert fs.use_triton(rb.master), "the Triton path is off (FP8SHARD_TRITON=0 or no triton)"
+    assert fs.use_triton(rb.master), "the Triton path is off (fp8shard.set_triton(False) or no triton)"
     old, ref = _clone(rb), _clone(rb)
     table = _tables(rb, len(sizes), block)
     scalars = _scalars(adam_w)
@@ -443,8 +445,8 @@ LAYOUTS = [  # (world, rank, sizes, bucket, alignment, block)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"ws{x[0]}r{x[1]}a{x[4]}b{x[5]}")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32],
                          ids=str)
-def test_triton_kernels_match_the_reference(layout, dtype, monkeypatch):
-    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+def test_triton_kernels_match_the_reference(layout, dtype):
+    fp8shard.set_triton(True)
     check_layout(layout, dtype, "cuda")
 
 
@@ -461,8 +463,8 @@ def check_layout(layout: tuple, dtype: torch.dtype, device: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_triton_kernels_with_16bit_states(state_dtype, monkeypatch):
-    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+def test_triton_kernels_with_16bit_states(state_dtype):
+    fp8shard.set_triton(True)
     for mode in ("current", "delayed"):
         check_kernels(3, 2, [5000, 77, 2048], torch.float8_e4m3fn, bucket=4096, align=16,
                       grad_dtype=torch.bfloat16, state_dtype=state_dtype, adam_w=True, mode=mode,
@@ -485,9 +487,50 @@ def check_cast_keeps_nan_and_saturates(device: str) -> None:
         assert ((got[nan] & 0x7F) == 0x7F).all()  # NaN stays NaN (0x7F / 0xFF)
 
 
+def fp8_encoding_inputs(n_random: int) -> torch.Tensor:
+    """``n_random`` random fp32 bit patterns (NaN, inf, subnormals included), then every finite
+    FP8 value of both formats, the midpoints between neighbours (exact ties) and the fp32
+    neighbours of each."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (n_random,), generator=gen, dtype=torch.int64).to(torch.int32)
+    parts = [bits.view(torch.float32)]
+    for fmt in Fp8Format:
+        v = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float()
+        v = v[torch.isfinite(v)].sort().values
+        mid = (v[1:] + v[:-1]) / 2
+        for t in (v, mid):
+            parts += [t, torch.nextafter(t, t + 1), torch.nextafter(t, t - 1)]
+    return torch.cat(parts)
+
+
+def check_fp8_encoding(n_random: int, device: str) -> None:
+    """Kernel 2 (the cast) writes exactly ``cast_to_fp8``'s bytes for every input of
+    ``fp8_encoding_inputs``; a NaN stays NaN (0x7F, either sign)."""
+    x = fp8_encoding_inputs(n_random).to(device)
+    for fmt in Fp8Format:
+        (lay,) = build_layout([ParamSpec(0, x.numel(), fmt.torch_dtype), ParamSpec(1, 5, fmt.torch_dtype)],
+                              1, 1 << 30, 16)
+        rb = RegionBuffers(lay, 0, torch.device(device), torch.bfloat16, torch.float32)
+        rb.master[:x.numel()] = x
+        table = fs.build_tile_table(rb.pieces, {0: 0, 1: 0}, {0: 0, 1: 1}, device=device)
+        fs.cast_tiles_(rb, table, torch.tensor([1.0, 1.0], device=device))
+        got = rb.param_buffer[:x.numel()]
+        want = cast_to_fp8(x, torch.tensor(1.0, device=device), fmt).view(torch.uint8)
+        nan = torch.isnan(x)
+        assert torch.equal(got[~nan], want[~nan]), f"{fmt.name}: {int((got[~nan] != want[~nan]).sum())} bytes"
+        assert ((got[nan] & 0x7F) == 0x7F).all(), f"{fmt.name}: a NaN was not written as NaN"
+
+
 @pytest.mark.gpu
-def test_triton_cast_keeps_nan_and_saturates(monkeypatch):
-    monkeypatch.setenv("FP8SHARD_TRITON", "1")
+def test_triton_cast_encodes_every_fp8_boundary_and_random_bits():
+    """2M random fp32 bit patterns and every FP8 boundary, both formats."""
+    fp8shard.set_triton(True)
+    check_fp8_encoding(1 << 21, "cuda")
+
+
+@pytest.mark.gpu
+def test_triton_cast_keeps_nan_and_saturates():
+    fp8shard.set_triton(True)
     check_cast_keeps_nan_and_saturates("cuda")
 
 
@@ -516,10 +559,9 @@ def _backward(params: list[nn.Parameter], step: int, device: str, nan: bool = Fa
     (loss * (float("nan") if nan else 1e-2)).backward()
 
 
-def _run_opt(triton: str, monkeypatch, steps: int, scaling: str, state_dtype: torch.dtype,
+def _run_opt(triton: str, steps: int, scaling: str, state_dtype: torch.dtype,
              clip: float | None, device: str = "cuda") -> tuple[list[nn.Parameter], DistributedFusedAdam]:
-    monkeypatch.setenv("FP8SHARD_TRITON", triton)
-    monkeypatch.setenv("FP8SHARD_FUSED_ADAM", "1")  # the opt-in (fp8shard._triton.fused_adam_enabled)
+    fp8shard.set_triton(triton == "1")  # the optimizer's fused step is on by default (fused=True)
     params = _opt_params(0, device)
     groups = [{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.0, "lr": 3e-3}]
     opt = DistributedFusedAdam(groups, lr=1e-2, weight_decay=0.1, bucket_cap_mb=20000 * 2 / 2**20,
@@ -538,16 +580,16 @@ def _run_opt(triton: str, monkeypatch, steps: int, scaling: str, state_dtype: to
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_optimizer_with_triton_matches_without(scaling, state_dtype, monkeypatch):
-    """FP8SHARD_TRITON=1 vs 0 (PyTorch's fused Adam kernel with fp32 states, the foreach chain with
+def test_optimizer_with_triton_matches_without(scaling, state_dtype):
+    """``set_triton(True)`` vs ``False`` (PyTorch's fused Adam kernel with fp32 states, the foreach chain with
     bf16 states, then the amax / cast chain), 6 steps, one skipped, clipping on; the gradients do
     not depend on the weights, so differences do not feed back. Tolerance: fp32 states, master and
     states within rtol 1e-5 and 1e-5 of the tensor's largest magnitude (a few ulps between two
     Adam formulas, over 5 steps); bf16 states, within 2**-6 and 2**-8 of the largest (one bf16
     rounding going the other way), master within 4 * lr * 2**-8 (what such a flip moves an update);
     FP8 bytes within one code of each other (< 1% of them); scales rtol 1e-6."""
-    pa, oa = _run_opt("1", monkeypatch, 6, scaling, state_dtype, clip=0.5)
-    pb, ob = _run_opt("0", monkeypatch, 6, scaling, state_dtype, clip=0.5)
+    pa, oa = _run_opt("1", 6, scaling, state_dtype, clip=0.5)
+    pb, ob = _run_opt("0", 6, scaling, state_dtype, clip=0.5)
     assert oa.state_dict()["step"] == ob.state_dict()["step"] == 5
     assert_optimizers_close(pa, oa, pb, ob, state_dtype, lr=1e-2)
 

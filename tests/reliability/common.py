@@ -15,6 +15,8 @@ import torch.distributed.checkpoint as dcp
 from fp8shard.checkpoint.io import single_process_quiet
 from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader, read_dcp_metadata
 from fp8shard.fp8 import Float8Tensor
+from fp8shard.testing.faults import Faults
+from fp8shard.testing.faults import command as fault_command
 from tests.train.helpers import TINY, kill_pids, process_tree
 
 # TINY, cut further: 2 steps of a tiny model on a small corpus take about a second in-process.
@@ -57,12 +59,15 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def torchrun(run_dir: Path, overrides: list[str], env: dict[str, str] | None = None, nproc: int = 2,
-             max_restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+             max_restarts: int = 0, timeout: float = 120, faults: Faults | None = None
+             ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --max-restarts K --nproc-per-node N -m fp8shard.train`` writing to
-    ``run_dir``, in a session of its own (a timeout kills torchrun and every rank); not checked."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "fp8shard.train", *overrides,
-           f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
+    ``run_dir``, in a session of its own (a timeout kills torchrun and every rank); not checked.
+    ``faults``: through ``-m fp8shard.testing.faults --faults JSON`` instead."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                f"--max-restarts={max_restarts}"]
+    head = fault_command(faults, launcher) if faults is not None else [*launcher, "-m", "fp8shard.train"]
+    cmd = [*head, *overrides, f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                           start_new_session=True) as p:

@@ -2,7 +2,7 @@
 in the middle of a step makes torchrun restart the job, which resumes from the newest complete
 checkpoint by itself (``trainer.resume=auto``) and ends bit-identical to a run never killed.
 
-The kill comes from ``FP8SHARD_INJECT_KILL_STEP`` (fp8shard.train.faults): rank 1 SIGKILLs
+The kill comes from ``Faults(kill_step=...)`` (fp8shard.testing.faults): rank 1 SIGKILLs
 itself after the forward/backward of the chosen step, while rank 0 waits in the gradient
 collectives, and only on the first attempt (``TORCHELASTIC_RESTART_COUNT`` = 0).
 """
@@ -15,7 +15,7 @@ import os
 import pytest
 
 from fp8shard.checkpoint import checkpoint_path, latest_checkpoint
-from fp8shard.train.faults import KILL_RANK_ENV, KILL_STEP_ENV, FaultInjector
+from fp8shard.testing.faults import Faults
 from fp8shard.train.metrics import read_metrics
 from tests.reliability.common import differing_tensors, torchrun
 from tests.train.helpers import TINY
@@ -24,26 +24,22 @@ STEPS, EVERY = 12, 4
 FAST = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=3", "trainer.val_check_interval=100",
         "model.optim.sched.warmup_steps=3", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={EVERY}"]
-# The kill step is drawn by a seeded generator (FP8SHARD_INJECT_KILL_STEP=random:SEED); this seed
+# The kill step is drawn by a seeded generator (Faults(kill_step="random:SEED")); this seed
 # gives step 10, so the job resumes from step 8, inside a log window (records every 3 steps);
 # set FP8SHARD_TEST_KILL_SEED to try others.
 SEED = int(os.environ.get("FP8SHARD_TEST_KILL_SEED", "5"))
 
 
 def _kill_step() -> int:
-    os.environ[KILL_STEP_ENV] = f"random:{SEED}"
-    try:
-        return FaultInjector().kill_step(STEPS)  # type: ignore[return-value]
-    finally:
-        del os.environ[KILL_STEP_ENV]
+    return Faults(kill_step=f"random:{SEED}").kill_step_of(STEPS)  # type: ignore[return-value]
 
 
 def test_a_sigkilled_rank_restarts_the_job_which_resumes_bit_exactly(tmp_path):
     step = _kill_step()
     straight = torchrun(tmp_path / "straight", FAST)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    env = {KILL_STEP_ENV: f"random:{SEED}", KILL_RANK_ENV: "1"}
-    killed = torchrun(tmp_path / "killed", FAST, env=env, max_restarts=1)
+    killed = torchrun(tmp_path / "killed", FAST, faults=Faults(kill_step=f"random:{SEED}", kill_rank=1),
+                      max_restarts=1)
     assert killed.returncode == 0, killed.stderr[-3000:]
 
     # It died where it was meant to, once, and torchrun started the job a second time.
@@ -77,12 +73,11 @@ def test_a_sigkilled_rank_restarts_the_job_which_resumes_bit_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_the_kill_step_is_seeded(seed, monkeypatch):
-    monkeypatch.setenv(KILL_STEP_ENV, f"random:{seed}")
-    steps = {FaultInjector().kill_step(STEPS) for _ in range(3)}
+def test_the_kill_step_is_seeded(seed):
+    steps = {Faults(kill_step=f"random:{seed}").kill_step_of(STEPS) for _ in range(3)}
     assert len(steps) == 1 and 1 <= steps.pop() <= STEPS
-    monkeypatch.setenv(KILL_STEP_ENV, "5")
-    assert FaultInjector().kill_step(STEPS) == 5
+    assert Faults(kill_step="5").kill_step_of(STEPS) == 5 and Faults(kill_step=5).kill_step_of(STEPS) == 5
+    assert Faults().kill_step_of(STEPS) is None
 
 
 def test_the_kill_fires_only_on_the_first_attempt(monkeypatch):
@@ -90,11 +85,10 @@ def test_the_kill_fires_only_on_the_first_attempt(monkeypatch):
 
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(sig))
-    monkeypatch.setenv(KILL_STEP_ENV, "3")
-    monkeypatch.setenv(KILL_RANK_ENV, "1")
+    faults = Faults(kill_step=3, kill_rank=1)
     for restart, rank, step, fires in [("0", 1, 3, True), ("1", 1, 3, False), ("0", 0, 3, False),
                                        ("0", 1, 2, False)]:
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
         killed.clear()
-        FaultInjector().maybe_kill(step, rank, STEPS)
+        faults.maybe_kill(step, rank, STEPS)
         assert killed == ([signal.SIGKILL] if fires else [])

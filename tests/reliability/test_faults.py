@@ -1,14 +1,14 @@
 """Faults during a run: non-finite steps are skipped (and too many stop the run), a hung rank
 becomes an error within the collective timeout, a truncated metrics line is tolerated.
 
-Faults are injected through the environment variables of fp8shard.train.faults.
+Faults are injected with fp8shard.testing.faults.Faults: passed to the loop in one process, or
+through ``python -m fp8shard.testing.faults`` for the command.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -16,10 +16,10 @@ import time
 import pytest
 
 from fp8shard.checkpoint import list_checkpoints
+from fp8shard.testing.faults import Faults, parse_steps
 from fp8shard.train.__main__ import main
 from fp8shard.train.config import load_config
 from fp8shard.train.distributed import DistEnv
-from fp8shard.train.faults import NAN_RANK_ENV, NAN_STEPS_ENV, STALL_RANK_ENV, STALL_STEP_ENV, parse_steps
 from fp8shard.train.loop import Trainer
 from fp8shard.train.metrics import read_metrics
 from tests.reliability.common import run_args, tree_digest, weights_and_state_digest
@@ -33,14 +33,16 @@ def test_parse_steps():
     assert parse_steps(" 2-4, 7 ") == {2, 3, 4, 7}
     assert parse_steps("") == set()
     assert parse_steps("all") is None
+    assert parse_steps([3, 5]) == {3, 5} and parse_steps(7) == {7} and parse_steps(None) == set()
+    with pytest.raises(ValueError, match="'3,4', '3-5' or 'all'"):
+        parse_steps("three")
 
 
 @pytest.mark.parametrize("optim", ["distributed_fused_adam", "adamw"])
-def test_nan_steps_are_skipped_change_nothing_and_the_run_continues(tmp_path, monkeypatch, optim):
-    monkeypatch.setenv(NAN_STEPS_ENV, "3,4")
+def test_nan_steps_are_skipped_change_nothing_and_the_run_continues(tmp_path, optim):
     extra = [] if optim == "distributed_fused_adam" else ["model.fp8_params=false"]
     cfg = load_config(run_args(tmp_path / "run", "trainer.max_steps=6", f"model.optim.name={optim}", *extra))
-    trainer = Trainer(cfg, CPU)
+    trainer = Trainer(cfg, CPU, faults=Faults(nan_steps="3,4"))
     digests = {0: weights_and_state_digest(trainer.model, trainer.opt)}
     step = trainer.train_step
 
@@ -62,9 +64,9 @@ def test_nan_steps_are_skipped_change_nothing_and_the_run_continues(tmp_path, mo
     assert math.isfinite(summary["val_loss"])
 
 
-def test_nan_at_every_step_stops_with_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(NAN_STEPS_ENV, "all")
-    code = main(run_args(tmp_path / "run", "trainer.max_steps=20", "trainer.max_consecutive_skips=3"))
+def test_nan_at_every_step_stops_with_one_line(tmp_path, capsys):
+    code = main(run_args(tmp_path / "run", "trainer.max_steps=20", "trainer.max_consecutive_skips=3"),
+                faults=Faults(nan_steps="all"))
     err = capsys.readouterr().err
     assert code == 1
     assert "3 steps in a row (steps 1-3) were skipped" in err and "not finite" in err
@@ -75,14 +77,10 @@ def test_nan_at_every_step_stops_with_one_line(tmp_path, monkeypatch, capsys):
 def test_too_many_skips_keep_the_last_good_checkpoint(tmp_path):
     """As a subprocess: exit code 1, one line, no traceback; the checkpoints stay."""
     run_dir = tmp_path / "run"
-    os.environ[NAN_STEPS_ENV] = "3-20"
-    try:
-        proc = run_train(run_dir, [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=10",
-                                   "checkpoint.every_n_steps=2", "checkpoint.keep_last=5",
-                                   "trainer.max_consecutive_skips=3", "trainer.limit_val_batches=1"],
-                         check=False, timeout=120)
-    finally:
-        del os.environ[NAN_STEPS_ENV]
+    proc = run_train(run_dir, [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=10",
+                               "checkpoint.every_n_steps=2", "checkpoint.keep_last=5",
+                               "trainer.max_consecutive_skips=3", "trainer.limit_val_batches=1"],
+                     check=False, timeout=120, faults=Faults(nan_steps="3-20"))
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
@@ -97,13 +95,9 @@ def test_too_many_skips_keep_the_last_good_checkpoint(tmp_path):
 def test_nan_on_one_of_two_ranks_skips_the_step_on_both(tmp_path):
     """torchrun, 2 ranks, DistributedFusedAdam: rank 1 alone sees a NaN loss at step 3; the
     skip is global (the ranks would deadlock or diverge otherwise) and the run finishes."""
-    os.environ.update({NAN_STEPS_ENV: "3", NAN_RANK_ENV: "1"})
-    try:
-        run_train(tmp_path / "run", [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=5",
-                                     "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1"],
-                  nproc=2, timeout=120)
-    finally:
-        del os.environ[NAN_STEPS_ENV], os.environ[NAN_RANK_ENV]
+    run_train(tmp_path / "run", [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=5",
+                                 "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1"],
+              nproc=2, timeout=120, faults=Faults(nan_steps="3", nan_rank=1))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [3]
     assert records[-1]["step"] == 5 and records[-1]["skipped_steps"] == 1
@@ -112,14 +106,10 @@ def test_nan_on_one_of_two_ranks_skips_the_step_on_both(tmp_path):
 
 def test_a_stalled_rank_becomes_an_error_within_the_timeout(tmp_path):
     """2 ranks under torchrun; rank 1 sleeps forever at step 3; collective_timeout_s=5."""
-    os.environ.update({STALL_RANK_ENV: "1", STALL_STEP_ENV: "3"})
     start = time.perf_counter()
-    try:
-        proc = run_train(tmp_path / "run", [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=6",
-                                            "trainer.collective_timeout_s=5", "trainer.log_every_n_steps=1"],
-                         nproc=2, check=False, timeout=90)
-    finally:
-        del os.environ[STALL_RANK_ENV], os.environ[STALL_STEP_ENV]
+    proc = run_train(tmp_path / "run", [*TINY, "data.num_train_tokens=40000", "trainer.max_steps=6",
+                                        "trainer.collective_timeout_s=5", "trainer.log_every_n_steps=1"],
+                     nproc=2, check=False, timeout=90, faults=Faults(stall_rank=1, stall_step=3))
     elapsed = time.perf_counter() - start
     print(f"stalled rank -> error after {elapsed:.1f}s (whole torchrun job)")
     assert proc.returncode != 0
@@ -156,3 +146,42 @@ def test_truncated_metrics_line_is_tolerated_by_report_and_resume(tmp_path):
     metrics.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
     with pytest.raises(ValueError, match="line 2"):
         read_metrics(metrics)
+
+
+def test_faults_are_built_from_json_and_bad_input_names_the_fix():
+    faults = Faults.from_json('{"nan_steps": "3,4", "nan_rank": 1}')
+    assert faults.nan_at(3, 1) and faults.nan_at(4, 1)
+    assert not faults.nan_at(3, 0) and not faults.nan_at(5, 1)
+    assert Faults.from_json(faults.to_json()) == faults
+    with pytest.raises(ValueError, match=r"unknown field\(s\) nan_step; the fields are: nan_steps"):
+        Faults.from_json('{"nan_step": 3}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Faults.from_json("{nan_steps: 3}")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        Faults.from_json("[3]")
+    with pytest.raises(ValueError, match=r"save_error='ENOENT': choose one of ENOSPC, EACCES"):
+        Faults(save_error="ENOENT")
+    with pytest.raises(ValueError, match="kill_step='soon': give a step"):
+        Faults(kill_step="soon")
+
+
+def test_the_fault_command_refuses_bad_faults_before_training(tmp_path, capsys):
+    from fp8shard.testing.faults import main as faults_main
+
+    with pytest.raises(SystemExit) as e:
+        faults_main(["--faults", '{"stall": 1}', *run_args(tmp_path / "run", "trainer.max_steps=2")])
+    assert e.value.code == 2
+    assert "unknown field(s) stall" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_hooks_inject_nothing():
+    from fp8shard.train.faults import FaultHooks
+
+    hooks = FaultHooks()
+    hooks.maybe_stall(3, 0)  # returns
+    hooks.maybe_kill(3, 0, 10)  # returns
+    assert not any(hooks.nan_at(step, 0) for step in range(1, 10))
+    with hooks.save_fault(4, 0):
+        entered = True
+    assert entered

@@ -3,10 +3,11 @@ denied) says so in one line, publishes nothing, leaves the previous checkpoint u
 the run stops (``checkpoint.on_save_error=stop``) or trains on (``continue``); resuming from the
 checkpoint left behind gives the run that never failed.
 
-Two injections: ``FP8SHARD_INJECT_SAVE_ERROR_STEPS`` makes DCP's write of the shard file raise
-``OSError`` (ENOSPC by default) after part of it is on disk; ``chmod`` makes the checkpoint
-directory read-only mid-run. Root ignores mode bits, so when the tests run as root (as in CI) the
-chmod case runs the training in a forked child that has become the user ``nobody``.
+Two injections: ``Faults(save_error_steps=...)`` (fp8shard.testing.faults) makes DCP's write of
+the shard file raise ``OSError`` (ENOSPC by default) after part of it is on disk; ``chmod``
+makes the checkpoint directory read-only mid-run. Root ignores mode bits, so when the tests run
+as root (as in CI) the chmod case runs the training in a forked child that has become the user
+``nobody``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import pytest
 import torch
 
 from fp8shard.checkpoint import list_checkpoints, load_checkpoint
+from fp8shard.testing.faults import Faults
 from fp8shard.train.__main__ import main
 from fp8shard.train.builders import build_model, build_optimizer
 from fp8shard.train.config import load_config
 from fp8shard.train.distributed import DistEnv
-from fp8shard.train.faults import SAVE_ERROR_ENV, SAVE_ERROR_RANK_ENV, SAVE_ERROR_STEPS_ENV
 from fp8shard.train.loop import Trainer
 from fp8shard.train.metrics import read_metrics
 from tests.reliability.common import SMALL, differing_tensors, run_args, torchrun, tree_digest
@@ -52,15 +53,15 @@ def _error_lines(err: str) -> list[str]:
 NOBODY = 65534
 
 
-def _main_captured(args: list[str], as_nobody: bool) -> tuple[int, str, str]:
-    """``main(args)`` with its output captured: (exit code, stdout, stderr). ``as_nobody``: in a
+def _main_captured(args: list[str], as_nobody: bool, faults: Faults | None = None) -> tuple[int, str, str]:
+    """``main(args, faults)`` with its output captured: (exit code, stdout, stderr). ``as_nobody``: in a
     forked child that runs as the unprivileged user ``nobody`` (root ignores mode bits, so a
     read-only directory refuses only such a process), reporting back through a pipe. The child
     reads no new files: the modules it needs were imported by the ``reference`` run."""
     if not as_nobody:
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(args)
+            code = main(args, faults=faults)
         return code, out.getvalue(), err.getvalue()
     r, w = os.pipe()
     pid = os.fork()
@@ -71,7 +72,7 @@ def _main_captured(args: list[str], as_nobody: bool) -> tuple[int, str, str]:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            result = _main_captured(args, as_nobody=False)
+            result = _main_captured(args, as_nobody=False, faults=faults)
             os.write(w, json.dumps(result).encode())
             status = 0
         finally:
@@ -115,10 +116,10 @@ def test_a_failed_save_stops_and_keeps_the_previous_checkpoint(how, tmp_path, mo
         return save(self)
 
     monkeypatch.setattr(Trainer, "save", recording_save)
-    if how == "inject-enospc":
-        monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "4")
+    faults = Faults(save_error_steps="4") if how == "inject-enospc" else None
     try:
-        code, out, err = _main_captured(run_args(run, *ARGS, *(one_thread if as_nobody else [])), as_nobody)
+        code, out, err = _main_captured(run_args(run, *ARGS, *(one_thread if as_nobody else [])), as_nobody,
+                                        faults)
     finally:
         if root.exists():
             os.chmod(root, 0o755)
@@ -154,7 +155,6 @@ def _check_failed_save(how: str, run: Path, code: int, out: str, err: str, monke
     assert load_checkpoint(root, model, opt).step == 2  # it loads
 
     # Resuming from it (trainer.resume=auto) is the run that never failed.
-    monkeypatch.delenv(SAVE_ERROR_STEPS_ENV, raising=False)
     monkeypatch.setattr(Trainer, "save", save)
     assert main(run_args(run, *ARGS, *extra)) == 0  # as the failed run and its reference ran
     summary = json.loads((run / "summary.json").read_text())
@@ -167,9 +167,8 @@ def _check_failed_save(how: str, run: Path, code: int, out: str, err: str, monke
 
 def test_continue_mode_trains_on_but_a_failed_last_save_stops(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    monkeypatch.setenv(SAVE_ERROR_STEPS_ENV, "2,6")
-    monkeypatch.setenv(SAVE_ERROR_ENV, "EACCES")
-    code = main(run_args(run, *ARGS, "checkpoint.on_save_error=continue"))
+    code = main(run_args(run, *ARGS, "checkpoint.on_save_error=continue"),
+                faults=Faults(save_error_steps="2,6", save_error="EACCES"))
     out, err = capsys.readouterr()
     assert code == 1 and "Traceback" not in err
     warnings = [line for line in err.splitlines() if line.startswith("fp8shard.train: warning")]
@@ -191,9 +190,9 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
     """2 ranks under torchrun; only rank 1's write fails. Both ranks leave the save together
     (no rank waits in a collective), rank 0 names rank 1's error, the previous checkpoint stays."""
     run = tmp_path / "run"
-    env = {SAVE_ERROR_STEPS_ENV: "4", SAVE_ERROR_RANK_ENV: "1"}
+    faults = Faults(save_error_steps="4", save_error_rank=1)
     proc = torchrun(run, [*SMALL, "trainer.max_steps=6", "checkpoint.every_n_steps=2",
-                          "trainer.collective_timeout_s=60"], env=env, timeout=90)
+                          "trainer.collective_timeout_s=60"], faults=faults, timeout=90)
     assert proc.returncode != 0
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp8shard.testing.faults import Faults
+from fp8shard.testing.faults import command as fault_command
+
 # A tiny GPT on a small slice of the default corpus: seconds per run on one CPU core.
 TINY = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
@@ -20,22 +23,28 @@ TINY = [
 ]
 
 
-def train_command(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "fp8shard.train"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "fp8shard.train"]
+def train_command(nproc: int, faults: Faults | None = None) -> list[str]:
+    """``python -m fp8shard.train`` or its torchrun; with ``faults``, through
+    ``-m fp8shard.testing.faults --faults JSON`` (which runs the same command with them)."""
+    launcher = [sys.executable]
+    if nproc != 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}"]
+    if faults is not None:
+        return fault_command(faults, launcher)
+    return [*launcher, "-m", "fp8shard.train"]
 
 
 def run_train(run_dir: Path, overrides: list[str], nproc: int = 1, timeout: float = 300,
-              check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m fp8shard.train`` (or torchrun) writing to ``run_dir``; one thread per rank.
+              check: bool = True, faults: Faults | None = None) -> subprocess.CompletedProcess:
+    """``python -m fp8shard.train`` (or torchrun) writing to ``run_dir``; one thread per rank;
+    ``faults``: injected (fp8shard.testing.faults).
 
     The command runs in its own session so a timeout ends torchrun and its workers together.
     """
     args = [*overrides, f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [*train_command(nproc), *args]
+    cmd = [*train_command(nproc, faults), *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                           start_new_session=True) as p:
         try:

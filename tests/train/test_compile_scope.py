@@ -17,7 +17,7 @@ import torch
 
 from fp8shard.models import GPT, GPTConfig
 from fp8shard.optim import DistributedFusedAdam
-from fp8shard.train.builders import COMPILE_BACKEND_ENV, compile_model
+from fp8shard.train.builders import compile_model
 
 CFG = GPTConfig(vocab_size=64, max_position_embeddings=16, num_layers=3, hidden_size=32,
                 ffn_hidden_size=64, num_attention_heads=2, loss_chunk_tokens=8)
@@ -38,13 +38,12 @@ def _compiled_nodes(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
     return found
 
 
-def _train(scope: str | None, monkeypatch) -> dict:
-    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+def _train(scope: str | None) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01,
                                grad_sync_dtype=torch.float32)
-    regions = compile_model(model, None, scope) if scope else 0
+    regions = compile_model(model, None, scope, backend="aot_eager") if scope else 0
     ran: list[int] = [0]
     positions: list[int] = []  # per reduce-scatter: compiled regions whose backward had run
     launch = opt.grad_sync._launch
@@ -77,8 +76,7 @@ def _train(scope: str | None, monkeypatch) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    with pytest.MonkeyPatch.context() as mp:
-        return {s: _train(s, mp) for s in (None, "model", "graph", "blocks")}
+    return {s: _train(s) for s in (None, "model", "graph", "blocks")}
 
 
 @pytest.mark.parametrize("scope", ["model", "graph", "blocks"])
@@ -120,7 +118,8 @@ def test_unknown_scope_is_refused():
         compile_model(GPT(CFG), None, "layers")
 
 
-def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu") -> tuple[list[float], int]:
+def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu",
+               backend: str = "inductor") -> tuple[list[float], int]:
     """FP8 weights and GEMMs (delayed scaling) + DistributedFusedAdam, as the training command."""
     import fp8shard as fs
 
@@ -131,7 +130,7 @@ def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu") -> tuple[
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01)
     recipe = fs.DelayedScaling()
     if scope:
-        compile_model(model, recipe, scope)
+        compile_model(model, recipe, scope, backend=backend)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -145,12 +144,11 @@ def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu") -> tuple[
     return losses, opt._comm.total_calls["reduce_scatter.grads"]
 
 
-def test_fp8_weights_whole_model_compiled_train_like_eager(monkeypatch):
+def test_fp8_weights_whole_model_compiled_train_like_eager():
     """The default scope with FP8 weights (the whole GPT as one graph with FP8 weights is
     tests/nn/test_compile_graph.py's)."""
-    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     eager, eager_calls = _train_fp8(None)
-    got, calls = _train_fp8("model")
+    got, calls = _train_fp8("model", backend="aot_eager")
     assert got == pytest.approx(eager, rel=1e-3)  # tests/train/test_compile_train.py's tolerance
     assert calls == eager_calls > 0
 

@@ -5,7 +5,7 @@ The compiled run must train like the eager one: per-step losses within a relativ
 autocast ops are decomposed), its checkpoints must hold the eager model's keys (in-place
 ``Module.compile``: no ``_orig_mod.``), and a compiled run resumed from its own checkpoint
 continues as the uninterrupted one. Dynamo + AOT autograd are exercised with ``aot_eager``
-(``FP8SHARD_COMPILE_BACKEND``): Inductor's CPU codegen would triple the time and is tested in
+(``trainer.compile_backend=aot_eager``): Inductor's CPU codegen would triple the time and is tested in
 tests/nn/test_compile_graph.py.
 """
 
@@ -28,13 +28,11 @@ REL = 1e-3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FP8SHARD_COMPILE_BACKEND", "aot_eager")
-        run_train(root / "eager", OVERRIDES, nproc=2)
-        run_train(root / "compiled", [*OVERRIDES, "trainer.compile=true"], nproc=2)
-        step2 = root / "compiled" / "checkpoints" / "step_00000002"
-        run_train(root / "resumed", [*OVERRIDES[:-1], "trainer.compile=true", f"trainer.resume={step2}"],
-                  nproc=2)
+    compiled = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
+    run_train(root / "eager", OVERRIDES, nproc=2)
+    run_train(root / "compiled", [*OVERRIDES, *compiled], nproc=2)
+    step2 = root / "compiled" / "checkpoints" / "step_00000002"
+    run_train(root / "resumed", [*OVERRIDES[:-1], *compiled, f"trainer.resume={step2}"], nproc=2)
     return root
 
 

@@ -170,3 +170,26 @@ def test_schema_fields_are_dataclasses_all_the_way_down():
     # The YAML section tree and the dataclass tree are the same shape.
     for f in dataclasses.fields(Config):
         assert dataclasses.is_dataclass(f.type) or isinstance(f.type, str)
+
+
+def test_the_transformer_shape_is_declared_once():
+    """GPTConfig and the model section share one TransformerShape: neither re-declares a shape
+    field, and every shape key reaches the GPT the command builds."""
+    import inspect
+
+    from fp8shard.models import GPTConfig, TransformerShape
+    from fp8shard.train.builders import gpt_config
+    from fp8shard.train.config import ModelConfig
+
+    shape = [f.name for f in dataclasses.fields(TransformerShape)]
+    assert "num_layers" in shape and "hidden_size" in shape
+    for cls in (GPTConfig, ModelConfig):
+        assert issubclass(cls, TransformerShape)
+        assert not set(shape) & set(inspect.get_annotations(cls)), cls
+    cfg = load_config(["model.num_layers=3", "model.hidden_size=96", "model.num_attention_heads=3",
+                       "model.ffn_hidden_size=200", "model.activation=swiglu", "model.normalization=rmsnorm",
+                       "model.position_embedding_type=rope", "model.bias=false", "model.hidden_dropout=0.1",
+                       "model.share_embeddings_and_output_weights=false"], world_size=1)
+    g = gpt_config(cfg, 300)
+    assert {k: getattr(g, k) for k in shape} == {k: getattr(cfg.model, k) for k in shape}
+    assert (g.num_layers, g.activation, g.bias, g.vocab_size) == (3, "swiglu", False, 300)

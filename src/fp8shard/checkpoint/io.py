@@ -70,7 +70,6 @@ from fp8shard.checkpoint.planner import (
     read_dcp_metadata,
 )
 from fp8shard.checkpoint.rng import capture_rng, restore_rng, rng_key
-from fp8shard.nn import reduce_and_update_amaxes
 from fp8shard.optim import DistributedFusedAdam
 
 LATEST = "latest"
@@ -248,7 +247,6 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     final = Path(path).absolute()
     root, tmp = final.parent, final.parent / f".tmp-{final.name}"
     rank, world = _rank_world(process_group)
-    reduce_and_update_amaxes()  # pending delayed-scaling amaxes belong to this step's state
     if isinstance(optimizer, DistributedFusedAdam):
         optimizer.wait_param_sync()  # in-flight all-gathers are still writing the weights
 

@@ -9,7 +9,7 @@
     The reference path is the eager code (``amax``, ``scale_from_amax``, ``cast_to_fp8``,
     ``.t().contiguous()``) and is the specification. The Triton path (``triton_cast``: two
     launches for current scaling, one for delayed) serves a call when ``use_triton`` allows it
-    (CUDA, not compiling, ``FP8SHARD_TRITON`` not 0; see ``fp8shard._triton``) and the tensors
+    (CUDA, not compiling, ``fp8shard.get_triton()``; see ``fp8shard._triton``) and the tensors
     suit it (contiguous bf16/fp16/fp32 x, fp32 one-element scales on x's device); its results
     are bit-identical: FP8 bytes, ``scale_inv`` and amax (NaN compares as NaN).
 """
@@ -121,7 +121,7 @@ def _check_transpose(x: torch.Tensor, transpose: bool) -> None:
 def _triton_serves(x: torch.Tensor, transpose: bool, out: torch.Tensor | None, fmt: Fp8Format,
                    *scalars: torch.Tensor | None) -> bool:
     """Whether the Triton path takes this call (else the reference path, same results)."""
-    if not use_triton(x):  # CUDA, not compiling, FP8SHARD_TRITON allows
+    if not use_triton(x):  # CUDA, not compiling, fp8shard.get_triton()
         return False
     if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.dtype not in TRITON_DTYPES:
         return False

@@ -46,7 +46,7 @@ except ImportError:  # no Triton: the module imports, its kernels cannot run
         return fn
 
 
-# Tuning (benchmarks/smoke_triton_cast.py --sweep times alternatives): elements per block of the
+# Tuning (benchmarks/profile_cast.py --sweep times alternatives): elements per block of the
 # flat kernels, tile of the transposing kernel, warps per program. Grids are persistent: as many
 # programs as fit on the GPU at once (from the compiled kernel's registers and shared memory),
 # so no program waits for a second wave.

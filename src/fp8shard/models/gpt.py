@@ -22,52 +22,30 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fp8shard.models.loss import linear_cross_entropy
+from fp8shard.models.shape import TransformerShape
 from fp8shard.nn import Linear
 
 
 @dataclasses.dataclass
-class GPTConfig:
-    """Shape and flavour of the model. Names follow NeMo's megatron_gpt_config.yaml."""
+class GPTConfig(TransformerShape):
+    """Shape and flavour of the model (the fields of :class:`TransformerShape`), its vocabulary,
+    position table and numerics. Names follow NeMo's megatron_gpt_config.yaml."""
 
     vocab_size: int = 256
     """Number of token ids (embedding rows)."""
     max_position_embeddings: int = 128
     """Longest sequence the model accepts (learned position table size, rotary cache length)."""
-    num_layers: int = 4
-    """Number of transformer blocks."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    ffn_hidden_size: int = 512
-    """Inner width of the MLP (per branch for SwiGLU)."""
-    num_attention_heads: int = 4
-    """Attention heads; hidden_size must be divisible by it."""
-    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """Pre-norm flavour."""
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP non-linearity; swiglu uses a fused (gate, up) projection of 2 x ffn_hidden_size."""
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    """Learned absolute position table or rotary embeddings on q and k."""
     rotary_base: float = 10000.0
     """Base of the rotary frequencies."""
-    share_embeddings_and_output_weights: bool = True
-    """Tie the output layer to the token embedding."""
-    bias: bool = True
-    """Biases in the projections and norms."""
-    init_method_std: float = 0.02
-    """Std of the normal init; block output projections use std / sqrt(2 * num_layers)."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the norms."""
-    hidden_dropout: float = 0.0
-    """Dropout on the residual branches."""
-    attention_dropout: float = 0.0
-    """Dropout on the attention probabilities."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the output layer + cross-entropy ([Note: chunked loss]): None picks
     it from the vocabulary size (at most 2**26 logits at a time), 0 computes all logits at once

@@ -26,9 +26,25 @@ from fp8shard.fp8.gemm import fp8_mm
 from fp8shard.fp8.quantizer import is_tiled, parse_recipe
 from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling
 from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
-from fp8shard.nn.autocast import Fp8State, current_fp8_state, register_every_step, register_pending
+from fp8shard.nn.autocast import Fp8State, current_fp8_state
 from fp8shard.nn.model_init import current_model_init
 from fp8shard.nn.quantized_linear import quantized_linear
+
+# [Note: informed first call]
+#     Under delayed scaling a cast uses the scale its layer's amax history gave; a layer whose
+#     history is still empty has only the initial scale 1 (Transformer Engine's first step), an
+#     uninformed cast (about 10 dB of output SQNR lost in benchmarks/bench_linear.py). So while
+#     ``Linear._fp8_history_empty`` is set, the call casts as current scaling does (scale from
+#     the amax of the tensor being cast, the same bytes: margin not applied) and records those
+#     amaxes in history row 0, where the next scale update (``AmaxSync.step()``) turns them into
+#     scales. The flag is a Python bool that the first delayed-scaling forward clears, once: under
+#     torch.compile one recompilation, no host sync and no per-call data-dependent branch. Its
+#     backward casts the output gradient the same way (the choice is made at forward). A loaded
+#     state dict with a non-empty history (or non-unit scales) clears it; a dropped delayed-scaling
+#     state sets it again. The overflow check ([Note: overflow check]) skips the layer at the
+#     update after its first call (``_fp8_unscaled_since_update``): those casts did not use
+#     ``fp8_scale`` and cannot have saturated. A layer called twice before the first update
+#     casts the second call with the initial scales, as before.
 
 # Slots of a layer's delayed-scaling state: one per GEMM operand.
 SLOT_INPUT, SLOT_WEIGHT, SLOT_GRAD_OUTPUT = 0, 1, 2
@@ -44,11 +60,15 @@ def _quantize(t: torch.Tensor, fmt: Fp8Format, scales: torch.Tensor | None, slot
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """FP8 bytes of 2-D ``t``, bytes of ``t.t()`` (row-major) if ``transpose``, ``scale_inv``.
 
-    Current scaling: scale from amax(t). Delayed: the layer's scale for ``slot``, and amax(t)
-    recorded in ``history[0, slot]``. One fused cast ([Note: fused cast]).
+    Current scaling (``scales`` None): scale from amax(t). Delayed: the layer's scale for
+    ``slot``. With a ``history`` (delayed, also its informed first call, [Note: informed first
+    call]) amax(t) is recorded in ``history[0, slot]``. One fused cast ([Note: fused cast]).
     """
     if scales is None:
         cast = quantize_current(t, fmt, transpose=transpose)  # [Note: scale], current scaling
+        if history is not None:  # the informed first call records what it saw
+            row = history[0, slot]
+            row.copy_(torch.maximum(row, cast.amax))
     else:
         assert history is not None
         cast = quantize_with_scale(t, scales[slot], fmt, transpose=transpose,
@@ -153,12 +173,10 @@ class Linear(torch.nn.Linear):
     ``fp8_model_init`` its weight is stored as an E4M3 ``Float8Tensor``. Under ``DelayedScaling``
     the layer keeps its amax history and scales in buffers ``fp8_amax_history`` [len, 3] and
     ``fp8_scale`` [3] (input, weight, output gradient), created at first use and saved in the
-    state dict; see [Note: amax reduction].
+    state dict; ``fs.nn.AmaxSync`` reduces and updates them ([Note: amax reduction] in
+    nn/amax_sync.py; [Note: informed first call] for the first call).
     """
 
-    # Set per instance by ``register_every_step`` (``prepare_delayed_scaling``); the class default
-    # keeps the per-call lookup in ``register_pending`` off ``Module.__getattr__``'s slow path.
-    _fp8_reduce_every_step = False
     # This layer's recipe, overriding the autocast's (None: the autocast's); a recipe object or
     # name, e.g. ``layer.fp8_recipe = fs.RowwiseScaling()`` ([Note: quantizer]).
     fp8_recipe: object = None
@@ -170,6 +188,8 @@ class Linear(torch.nn.Linear):
             _check_fp8_weight_dtype(dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._amax_state: AmaxHistory | None = None
+        self._fp8_history_empty = True  # [Note: informed first call]
+        self._fp8_unscaled_since_update = False  # its first call ran since the last amax update
         self._preserve_hp_init = bool(init_state and init_state.preserve_high_precision_init_val)
         if init_state is not None:
             self._store_weight_as_fp8()
@@ -218,8 +238,12 @@ class Linear(torch.nn.Linear):
         scales = history = None
         if isinstance(recipe, DelayedScaling):
             self._ensure_delayed_state(recipe)
-            scales, history = self.fp8_scale, self.fp8_amax_history
-            register_pending(self, state.group)
+            history = self.fp8_amax_history
+            if self._fp8_history_empty:  # [Note: informed first call]: cast as current scaling
+                self._fp8_history_empty = False
+                self._fp8_unscaled_since_update = True  # nothing for the overflow check to see
+            else:
+                scales = self.fp8_scale
         fmt = recipe.fp8_format
         return _Fp8LinearFn.apply(x, self.weight, self.bias, fmt.fwd, fmt.bwd, scales, history)
 
@@ -299,8 +323,16 @@ class Linear(torch.nn.Linear):
             # Amaxes of other weights would give bogus scales (TransformerEngine 567): start over.
             del self.fp8_amax_history, self.fp8_scale
             self._amax_state = None
+            self._fp8_history_empty = True
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        scale = state_dict.get(prefix + "fp8_scale")
+        if hist is not None and hist.device.type != "meta":
+            # [Note: informed first call]: a loaded history or scale is information, not a start
+            # (one host sync per layer, at load time).
+            with torch.no_grad():
+                informed = bool((hist != 0).any()) or (scale is not None and bool((scale != 1).any()))
+            self._fp8_history_empty = not informed
 
     def _check_loaded_weight_shape(self, weight: torch.Tensor | None) -> None:
         if weight is None or tuple(weight.shape) == tuple(self.weight.shape):
@@ -323,18 +355,15 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: object) -> int:
     A layer makes this state (amax history and scales, buffers of the state dict) at its first
     forward under a ``DelayedScaling`` recipe, outside the graph when compiled: one graph
     break on the first call. Call this before ``torch.compile`` (``fullgraph=True`` needs it)
-    to make it beforehand; values are those of a fresh layer (scales 1, empty history), so the
-    run is the same. The layers are also registered once for the amax reduction
-    ([Note: amax reduction]): every reduction after an enabled outermost ``fp8_autocast``
-    reduces them over that autocast's ``fp8_group``. A ``CurrentScaling`` (or None) recipe has
-    no state: nothing to do. Returns the number of layers prepared.
+    to make it beforehand; values are those of a fresh layer (scales 1, empty history, so the
+    first call is still an informed one, [Note: informed first call]): the run is the same.
+    The amaxes are reduced by ``fs.nn.AmaxSync`` ([Note: amax reduction]), prepared or not. A
+    ``CurrentScaling`` (or None) recipe has no state: nothing to do. Returns the number of
+    layers prepared.
     """
     if not isinstance(recipe, DelayedScaling):
         return 0
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.init_delayed_scaling(recipe)
-        # Reduced at every amax reduction from now on, with no per-call registration for a
-        # compiled graph to guard on ([Note: amax reduction]).
-        register_every_step(layer)
     return len(layers)

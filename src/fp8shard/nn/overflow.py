@@ -3,7 +3,7 @@
 [Note: overflow check]
     Under delayed scaling a cast uses the scale computed from *past* amaxes, so a value beyond
     ``fmt.max / scale`` saturates to ``fmt.max`` (an FP8 overflow) and nothing else notices: the
-    next scale adapts silently ([Note: scale]). The amax reduction of ``fp8_autocast``
+    next scale adapts silently ([Note: scale]). The amax reduction of ``AmaxSync.step()``
     ([Note: amax reduction]) already holds, for every layer, the amaxes its casts saw since the
     last reduction, reduced over the group (``packed``, ``[n_layers, 3]``), and the scales those
     casts used are still the layers' ``fp8_scale`` (the update comes right after). So an

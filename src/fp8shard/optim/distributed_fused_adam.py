@@ -13,7 +13,7 @@ The pieces live in their own modules: layout (pure arithmetic), buffers (the ten
 (gradient and forward hooks), collectives (the only torch.distributed caller), adam (the math),
 fp8_weights (amax, scale, cast) and state_dict (model-space checkpoints).
 
-On CUDA with Triton (``fp8shard._triton.use_triton``; ``FP8SHARD_FUSED_ADAM=0`` turns it off),
+On CUDA with Triton (``fp8shard._triton.use_triton``; the ``fused=False`` argument turns it off),
 steps 3-4 run as the fused step of
 fused_step.py ([Note: fused step]): one pass reads the bf16 gradient shard in place (no fp32
 copy) and updates master and states, writing each tile's amax (and, with delayed scaling, the
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8shard._triton import fused_adam_enabled, use_triton
+from fp8shard._triton import use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
 from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers, storage_dtype
@@ -72,6 +72,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         fp8_weight_scaling: 'current' (scale from this step's global amax) or 'delayed'
             (Transformer Engine's amax history, configured by ``delayed_scaling``).
         module: the model, to register forward pre-hooks for ``overlap_param_sync``.
+        fused: take the fused Triton step ([Note: fused step]) where Triton serves (CUDA,
+            ``fp8shard.get_triton()``); False: the PyTorch path always (to compare, or to debug).
     """
 
     def __init__(
@@ -93,7 +95,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         fp8_weight_scaling: ScalingMode = "current",
         delayed_scaling: DelayedScaling | None = None,
         module: nn.Module | None = None,
+        fused: bool = True,
     ) -> None:
+        if not isinstance(fused, bool):
+            raise ValueError(f"fused must be True or False, got {fused!r}")
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
@@ -119,8 +124,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_sync = ParamSync(self.regions, self.group, self._on_params_ready)
         self._runs = self._adam_runs()
         self._grads: list[torch.Tensor] | None = None  # fp32 grad shards of this step
-        # The fused step ([Note: fused step]): None lets use_triton() decide at each step (tests
-        # set True to run its orchestration with the PyTorch reference ops on CPU).
+        # The fused step ([Note: fused step]): None lets ``fused`` and use_triton() decide at each
+        # step (tests set True to run its orchestration with the PyTorch reference ops on CPU).
+        self.fused = fused
         self._fused_path: bool | None = None
         self._fused: FusedStep | None = None  # tile tables, built at the first fused step
         self._ready_slots: dict[tuple[int, ...], torch.Tensor] = {}  # _on_params_ready's indices
@@ -244,7 +250,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _use_fused(self) -> bool:
         if self._fused_path is not None:
             return self._fused_path
-        return fused_adam_enabled() and use_triton(self.regions[0].master)
+        return self.fused and use_triton(self.regions[0].master)
 
     def _fused_step(self) -> FusedStep:
         if self._fused is None:

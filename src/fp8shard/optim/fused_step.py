@@ -23,8 +23,9 @@
     division, the fused multiply-adds where PyTorch's CUDA foreach kernels use them), the cast is
     ``cast_to_fp8`` (x * scale in fp32, clamp to +-max keeping NaN, round to nearest even, as
     c10's conversion), and the amax is exact. Every op here has a PyTorch reference
-    implementation (``_*_reference``), used where Triton is not (CPU; ``FP8SHARD_TRITON=0``), which
-    reproduces what ``adam_``, ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
+    implementation (``_*_reference``), used where Triton is not (CPU;
+    ``fp8shard.set_triton(False)``), which reproduces what ``adam_``,
+    ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
 """
 
 from __future__ import annotations

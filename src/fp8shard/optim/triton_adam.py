@@ -40,7 +40,7 @@ except Exception:  # not installed, or broken: the caller uses the reference pat
     HAVE_TRITON = False
 
 # Kernel 1 with 2048-element tiles: 16 warps (4 elements per thread) measured 1.82 ms at 256 M
-# parameters against 2.05 ms with 8 (benchmarks/smoke_triton_adam.py --sweep on the H200).
+# parameters against 2.05 ms with 8 (benchmarks/bench_fused_step.py --sweep on the H200).
 ADAM_NUM_WARPS = 16
 NUM_WARPS = 8
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp8shard.train.config import ConfigError, help_text, load_config
 from fp8shard.train.interrupt import Interrupted, handle_signals, received
+
+if TYPE_CHECKING:
+    from fp8shard.train.faults import FaultHooks
 
 
 def _error(message: str) -> int:
@@ -64,7 +67,9 @@ def _interrupted(e: Interrupted, env: Any, trainer: Any) -> int:
     return e.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults: FaultHooks | None = None) -> int:
+    """Run the training command on ``argv``; ``faults``: the loop's fault hooks (tests inject
+    faults through them, ``fp8shard.testing.faults``; none by default)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     state: dict[str, Any] = {"env": None, "trainer": None}
     with handle_signals():
         try:
-            code = _run(argv, state)
+            code = _run(argv, state, faults)
         except Interrupted as e:
             code = _interrupted(e, state["env"], state["trainer"])
         except BaseException:
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run(argv: list[str], state: dict[str, Any]) -> int:
+def _run(argv: list[str], state: dict[str, Any], faults: FaultHooks | None = None) -> int:
     try:
         cfg = load_config(argv)
     except ConfigError as e:
@@ -108,7 +113,7 @@ def _run(argv: list[str], state: dict[str, Any]) -> int:
     env = state["env"] = init_distributed(cfg.trainer.accelerator, cfg.trainer.collective_timeout_s)
     code = 0
     try:
-        trainer = state["trainer"] = Trainer(cfg, env)
+        trainer = state["trainer"] = Trainer(cfg, env, faults=faults)
         trainer.fit()
         if env.is_main and cfg.exp_manager.plots:
             draw_plots(trainer.run_dir)

@@ -36,7 +36,8 @@ def cpu_threads(setting: int | str) -> int:
 
 
 def configure_compute(cfg: Config, env: DistEnv) -> dict[str, Any]:
-    """Set the CPU thread count and settle how FP8 GEMMs run, the same way on every rank.
+    """Set the CPU thread count, switch the Triton kernels (``trainer.triton``) and settle how FP8
+    GEMMs run, the same way on every rank.
 
     With ``model.fp8_gemm=auto`` on CPU each rank measures both paths once
     ([Note: CPU GEMM choice]); if any rank finds ``torch._scaled_mm`` slower, all use the
@@ -47,6 +48,7 @@ def configure_compute(cfg: Config, env: DistEnv) -> dict[str, Any]:
         info["num_threads"] = cpu_threads(cfg.trainer.num_threads)
         torch.set_num_threads(info["num_threads"])
     gemm.set_fp8_gemm(cfg.model.fp8_gemm)
+    fs.set_triton(cfg.trainer.triton)
     if not cfg.model.fp8:
         return info
     info["fp8_gemm"] = cfg.model.fp8_gemm
@@ -88,15 +90,10 @@ def params_dtype(cfg: Config) -> torch.dtype:
 
 def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     m = cfg.model
-    return GPTConfig(
+    return GPTConfig(  # the shape is model.*'s TransformerShape fields, declared once
         vocab_size=vocab_size,
         max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, normalization=m.normalization,
-        activation=m.activation, position_embedding_type=m.position_embedding_type,
-        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights, bias=m.bias,
-        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
+        **m.shape_kwargs(),
     )
 
 
@@ -149,14 +146,19 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
     return model
 
 
-COMPILE_BACKEND_ENV = "FP8SHARD_COMPILE_BACKEND"
-
-
 COMPILE_SCOPES = ("model", "graph", "blocks")
 
 
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``trainer.compile``: true/false as given; ``auto`` compiles on CUDA only (issue 16: the
+    compiled model is the fast path on the GPU; on CPU, compiling costs more than it saves)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
 def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None,
-                  scope: str = "model") -> int:
+                  scope: str = "model", backend: str = "inductor") -> int:
     """``trainer.compile``: ``torch.compile`` the model in place; returns the number of compiled
     regions (graphs per step, before recompilations).
 
@@ -179,22 +181,21 @@ def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | No
 
         Every scope works in place: the module tree, ``named_parameters`` and the state-dict
         keys stay those of the eager model (no ``_orig_mod.`` prefix), so checkpoints,
-        DistributedFusedAdam and DDP see the same model. ``fp8_autocast`` stays outside the
-        graphs ([Note: amax reduction]); with delayed scaling the layers' amax state is made
-        first and the layers are registered for the reduction once (``prepare_delayed_scaling``),
-        so no graph break at the first step and no per-block recompilation.
+        DistributedFusedAdam and DDP see the same model. ``fp8_autocast`` and ``AmaxSync.step()``
+        stay outside the graphs ([Note: amax reduction]); with delayed scaling the layers' amax
+        state is made first (``prepare_delayed_scaling``), so no graph break at the first step;
+        the informed first call costs one recompilation ([Note: informed first call]).
         With ``overlap_param_sync`` the parameter all-gathers are awaited before the forward
         (``Trainer._forward_ctx``), not module by module: the optimizer's forward pre-hooks sit
         on modules inside the compiled regions, where a pending gather would be traced into the
         graph. Overlapping the gathers with a compiled forward needs region-level waits.
-    The backend is Inductor; the environment variable ``FP8SHARD_COMPILE_BACKEND`` (e.g.
-    ``aot_eager``) picks another one (tests, debugging).
+    ``backend`` (``trainer.compile_backend``) is Inductor by default; ``aot_eager`` or ``eager``
+    trace the same graphs without generating code (tests, debugging).
     """
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: choose one of {', '.join(COMPILE_SCOPES)}")
     if recipe is not None:
         fs.nn.prepare_delayed_scaling(model, recipe)
-    backend = os.environ.get(COMPILE_BACKEND_ENV, "").strip() or "inductor"
     if scope == "graph":
         model.compile(backend=backend)
         return 1
@@ -234,7 +235,7 @@ def build_optimizer(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[torch.
             process_group=env.group, bucket_cap_mb=o.bucket_cap_mb,
             grad_sync_dtype=_DTYPES[o.grad_sync_dtype], overlap_grad_sync=o.overlap_grad_sync,
             state_dtype=_DTYPES[o.state_dtype], overlap_param_sync=o.overlap_param_sync,
-            module=model if o.overlap_param_sync else None,
+            module=model if o.overlap_param_sync else None, fused=o.fused,
         )
         return opt, model
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)

@@ -26,6 +26,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from fp8shard.models.shape import TransformerShape
+
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 PRESETS_DIR = Path(__file__).with_name("presets")
 
@@ -56,14 +58,22 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["bf16-mixed", "32"] = "bf16-mixed"
     """bf16-mixed: non-FP8 ops run under bf16 autocast; 32: everything outside FP8 in fp32."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile the model in place (same module tree and state-dict keys); what is compiled
-    is trainer.compile_scope. docs/training.md, 'Compiling'."""
+    is trainer.compile_scope. auto: on for GPU runs (the fast path there), off on CPU (compiling
+    costs more than it saves at CPU sizes). docs/training.md, 'Compiling'."""
     compile_scope: Literal["model", "graph", "blocks"] = "model"
     """With compile=true: model (the whole model, one graph per region: embeddings, each block,
     final norm + output layer + loss; gradient reduce-scatters overlap the backward), graph (the
     whole model as one graph: reduce-scatters start after the whole backward) or blocks (only the
     blocks; embeddings, head and loss eager)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """With compile=true: the torch.compile backend; inductor generates kernels, aot_eager and
+    eager trace without generating code (tests, debugging)."""
+    triton: bool = True
+    """Let fp8shard's Triton kernels (FP8 casts, the fused optimizer step) serve the calls they can
+    (CUDA, triton installed); false: the PyTorch reference paths everywhere (to measure or debug
+    them). Sets fp8shard.set_triton for the process."""
     resume: bool | str = "auto"
     """auto (or true): continue from the newest complete checkpoint of the run directory, if any;
     never (or false): start fresh (refused when the run directory holds checkpoints); or a
@@ -127,13 +137,16 @@ class OptimConfig:
     overlap_param_sync: bool = False
     """distributed_fused_adam: step() returns with the parameter all-gathers in flight; each
     module's forward waits for its own."""
+    fused: bool = True
+    """distributed_fused_adam: take the fused Triton step (update, amax and FP8 cast in one pass)
+    where Triton serves (trainer.triton, CUDA); false: the PyTorch step (to compare, or to debug)."""
     sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
     """Learning-rate schedule."""
 
 
 @dataclasses.dataclass
-class ModelConfig:
-    """The GPT, its batch shape and its FP8 settings."""
+class BatchShape:
+    """Sequences and tokens per step (the first keys of the model section)."""
 
     micro_batch_size: int = 8
     """Sequences per rank per forward/backward."""
@@ -144,30 +157,14 @@ class ModelConfig:
     """Tokens per training sequence."""
     max_position_embeddings: int = 0
     """Position table length; 0 means encoder_seq_length."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    ffn_hidden_size: int = 512
-    """Inner width of the MLP."""
-    num_attention_heads: int = 4
-    """Attention heads; must divide hidden_size."""
-    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """Pre-norm flavour."""
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP non-linearity."""
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    """Learned absolute positions or rotary embeddings."""
-    share_embeddings_and_output_weights: bool = True
-    """Tie the output layer to the token embedding."""
-    bias: bool = True
-    """Biases in projections and norms."""
-    init_method_std: float = 0.02
-    """Std of the normal init (block output projections: std / sqrt(2 num_layers))."""
-    hidden_dropout: float = 0.0
-    """Dropout on residual branches."""
-    attention_dropout: float = 0.0
-    """Dropout on attention probabilities."""
+
+
+@dataclasses.dataclass
+class ModelConfig(TransformerShape, BatchShape):
+    """The GPT, its batch shape and its FP8 settings. The model's shape is
+    ``fp8shard.models.TransformerShape``, declared once for this section and ``GPTConfig``;
+    the keys come in the order batch shape, transformer shape, then the fields below."""
+
     params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """dtype of the non-FP8 model parameters; auto: bf16 with distributed_fused_adam + bf16-mixed
     (the optimizer keeps fp32 masters), else fp32."""
@@ -283,14 +280,17 @@ class Config:
 
 # ---------------------------------------------------------------------------- introspection
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (read from its source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """The docstring written under each field of a dataclass and of its dataclass bases (read
+    from their source; a subclass's wins)."""
     docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in itertools.pairwise(body):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
 

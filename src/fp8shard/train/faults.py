@@ -15,24 +15,11 @@
     knows which phase of the step it is in (``Trainer.phase``) and turns that exception into a
     :class:`TrainingFailure` naming the phase and the collectives it runs.
 
-Fault injection for tests (environment variables, not config keys; documented in
-docs/reliability.md):
-
-- ``FP8SHARD_INJECT_NAN_STEPS``: steps (1-based, as numbered in metrics.jsonl) whose loss is
-  multiplied by NaN before backward: ``3,4``, ``3-5``, ``all``; ``FP8SHARD_INJECT_NAN_RANK``
-  limits that to one rank (default: every rank).
-- ``FP8SHARD_TEST_STALL_RANK`` (and ``FP8SHARD_TEST_STALL_STEP``, default 3): that rank sleeps
-  forever at the start of that step.
-- ``FP8SHARD_INJECT_KILL_STEP`` (``7``, or ``random:SEED`` for a step drawn from [1, max_steps]
-  by a seeded generator) and ``FP8SHARD_INJECT_KILL_RANK`` (default 0): that rank SIGKILLs
-  itself after the forward/backward of that step, before the optimizer step -- only on the
-  first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT``, set by torchrun, is 0 or
-  unset), so the restarted job runs through ([Note: elastic restart]).
-- ``FP8SHARD_INJECT_SAVE_ERROR_STEPS`` (``4``, ``4,8``, ``all``), ``FP8SHARD_INJECT_SAVE_ERROR``
-  (``ENOSPC``, the default, ``EACCES``, ``EIO`` or ``EROFS``) and ``FP8SHARD_INJECT_SAVE_ERROR_RANK``
-  (default: every rank): the checkpoint save of that step fails on that rank with that
-  ``OSError`` while DCP writes the shard file (after its first tensor), as a full disk or a
-  read-only directory would ([Note: storage faults]).
+Fault injection for tests: the loop calls a :class:`FaultHooks` object at the points where a
+fault can be injected; the production default does nothing. Tests pass
+``fp8shard.testing.faults.Faults`` (NaN losses, a stalled rank, a SIGKILLed rank, a failing
+checkpoint save; docs/reliability.md) to ``Trainer(cfg, env, faults=...)``, or run
+``python -m fp8shard.testing.faults --faults '<json>' <train args>`` under torchrun.
 
 [Note: elastic restart]
     Under ``torchrun --max-restarts K`` a rank that dies (SIGKILL, OOM killer, a lost node)
@@ -60,25 +47,7 @@ docs/reliability.md):
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
-import random
-import signal
-import sys
-import time
 from collections.abc import Iterator
-
-NAN_STEPS_ENV = "FP8SHARD_INJECT_NAN_STEPS"
-NAN_RANK_ENV = "FP8SHARD_INJECT_NAN_RANK"
-STALL_RANK_ENV = "FP8SHARD_TEST_STALL_RANK"
-STALL_STEP_ENV = "FP8SHARD_TEST_STALL_STEP"
-KILL_STEP_ENV = "FP8SHARD_INJECT_KILL_STEP"
-KILL_RANK_ENV = "FP8SHARD_INJECT_KILL_RANK"
-SAVE_ERROR_STEPS_ENV = "FP8SHARD_INJECT_SAVE_ERROR_STEPS"
-SAVE_ERROR_ENV = "FP8SHARD_INJECT_SAVE_ERROR"
-SAVE_ERROR_RANK_ENV = "FP8SHARD_INJECT_SAVE_ERROR_RANK"
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
-SAVE_ERRNOS = {"ENOSPC": errno.ENOSPC, "EACCES": errno.EACCES, "EIO": errno.EIO, "EROFS": errno.EROFS}
 
 
 class TrainingFailure(RuntimeError):
@@ -92,100 +61,26 @@ class TrainingFailure(RuntimeError):
         self.every_rank = every_rank
 
 
-def parse_steps(text: str) -> set[int] | None:
-    """``'3,4'`` -> {3, 4}; ``'3-5'`` -> {3, 4, 5}; ``'all'`` -> None (every step); '' -> set()."""
-    text = text.strip()
-    if text.lower() in ("all", "*"):
-        return None
-    steps: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        steps.update(range(int(lo), int(hi or lo) + 1))
-    return steps
+class FaultHooks:
+    """Where the training loop lets a test inject a fault; every hook does nothing here.
 
-
-def _optional_int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value else None
-
-
-class FaultInjector:
-    """Reads the injection variables once; ``nan_at``, ``maybe_stall``, ``maybe_kill`` and
-    ``save_fault`` are called by the loop at the points where they inject."""
-
-    def __init__(self) -> None:
-        self.nan_steps = parse_steps(os.environ.get(NAN_STEPS_ENV, ""))
-        self.nan_rank = _optional_int(NAN_RANK_ENV)
-        self.stall_rank = _optional_int(STALL_RANK_ENV)
-        self.stall_step = int(os.environ.get(STALL_STEP_ENV, "3"))
-        self.kill_step_spec = os.environ.get(KILL_STEP_ENV, "").strip()
-        self.kill_rank = _optional_int(KILL_RANK_ENV) or 0
-        self.restart_count = int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
-        self.save_error_steps = parse_steps(os.environ.get(SAVE_ERROR_STEPS_ENV, ""))
-        name = os.environ.get(SAVE_ERROR_ENV, "ENOSPC").strip().upper() or "ENOSPC"
-        if name not in SAVE_ERRNOS:
-            raise ValueError(f"{SAVE_ERROR_ENV}={name!r}: choose one of {', '.join(SAVE_ERRNOS)}")
-        self.save_errno = SAVE_ERRNOS[name]
-        self.save_error_rank = _optional_int(SAVE_ERROR_RANK_ENV)
-
-    def nan_at(self, step: int, rank: int) -> bool:
-        if self.nan_rank is not None and rank != self.nan_rank:
-            return False
-        return self.nan_steps is None or step in self.nan_steps
+    ``step`` is 1-based, as numbered in metrics.jsonl; ``rank`` is this process's rank."""
 
     def maybe_stall(self, step: int, rank: int) -> None:
-        if self.stall_rank == rank and step == self.stall_step:
-            while True:  # a rank that stopped participating (killed by the launcher at the end)
-                time.sleep(3600)
+        """At the start of ``step``: a test may make this rank stop participating."""
 
-    def kill_step(self, max_steps: int) -> int | None:
-        """The step ``FP8SHARD_INJECT_KILL_STEP`` names (``random:SEED``: drawn in [1, max_steps])."""
-        spec = self.kill_step_spec
-        if not spec:
-            return None
-        if spec.lower().startswith("random"):
-            _, _, seed = spec.partition(":")
-            return random.Random(int(seed or 0)).randint(1, max_steps)
-        return int(spec)
+    def nan_at(self, step: int, rank: int) -> bool:
+        """Whether this rank's losses of ``step`` are multiplied by NaN before backward."""
+        return False
 
     def maybe_kill(self, step: int, rank: int, max_steps: int) -> None:
-        """SIGKILL this process at ``step``, on an elastic job's first attempt only ([Note: elastic
-        restart])."""
-        if rank != self.kill_rank or self.restart_count != 0 or self.kill_step(max_steps) != step:
-            return
-        print(f"fp8shard.train: injected fault: SIGKILL of rank {rank} at step {step} "
-              f"({KILL_STEP_ENV}, attempt {self.restart_count})", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        """After the forward/backward of ``step``, before the optimizer step: a test may end
+        this process here, its peers waiting in a collective."""
 
     @contextlib.contextmanager
     def save_fault(self, step: int, rank: int) -> Iterator[None]:
-        """Inside: the checkpoint save of ``step`` fails with the configured ``OSError`` on this
-        rank while DCP writes the shard file (after its first tensor), as a full disk would."""
-        steps = self.save_error_steps
-        hit = (steps is None or step in steps) and self.save_error_rank in (None, rank)
-        if not hit:
-            yield
-            return
-        import torch.distributed.checkpoint.filesystem as dcp_fs
-
-        code = self.save_errno
-        orig = getattr(dcp_fs, "_write_item", None)
-
-        def fail(path: object = None) -> OSError:
-            return OSError(code, f"{os.strerror(code)} (injected: {SAVE_ERROR_STEPS_ENV})", path)
-
-        if orig is None:  # torch moved it: fail before writing instead
-            raise fail()
-
-        def write_item(transforms: object, stream: object, *args: object, **kwargs: object) -> object:
-            orig(transforms, stream, *args, **kwargs)  # part of the shard file is on disk
-            raise fail(getattr(stream, "name", None))
-
-        dcp_fs._write_item = write_item
-        try:
-            yield
-        finally:
-            dcp_fs._write_item = orig
+        """Around the checkpoint save of ``step``: a test may make it fail with an ``OSError``."""
+        yield
 
 
 def is_timeout(e: BaseException) -> bool:

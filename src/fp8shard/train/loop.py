@@ -49,6 +49,7 @@ from fp8shard.train.builders import (
     build_model,
     build_optimizer,
     build_recipe,
+    compile_enabled,
     compile_model,
     configure_compute,
     count_fp8_linears,
@@ -59,7 +60,7 @@ from fp8shard.train.builders import (
 from fp8shard.train.config import Config, ConfigError, to_dict, to_yaml
 from fp8shard.train.data import BatchLoader, TokenData, TokenSlice, load_data, val_batches
 from fp8shard.train.distributed import DistEnv, all_reduce_max, all_reduce_sum
-from fp8shard.train.faults import FaultInjector, TrainingFailure, is_peer_lost, is_timeout
+from fp8shard.train.faults import FaultHooks, TrainingFailure, is_peer_lost, is_timeout
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
 from fp8shard.train.resume import load_resume_checkpoint, newest_checkpoint_state, resume_candidates
 from fp8shard.train.rundir import delete_earlier_run, lock_run_dir, remove_partial_files
@@ -87,17 +88,16 @@ def lr_at(cfg: Config, step: int) -> float:
 def _delayed_scaling_untouched(model: nn.Module) -> Any:
     """Run evaluation forwards without moving the FP8 layers' delayed-scaling state.
 
-    The training step's amaxes still pending ([Note: amax reduction]) are folded in first, as
-    the next training forward would; the state is then saved, and restored after the block
-    (the amaxes the evaluation recorded are reduced and dropped).
+    The training steps' amaxes are all reduced by then (``amax_sync.step()`` after each
+    backward, [Note: amax reduction]); the state is saved, and restored after the block. The
+    evaluation reduces its amaxes after each forward (``Trainer.validate``): its later batches
+    use scales from its earlier ones, and the overflow check sees them; then they are dropped.
     """
-    fs.nn.reduce_and_update_amaxes()
     saved = [(m, name, buf.clone()) for m in model.modules()
              for name, buf in m.named_buffers(recurse=False) if name in ("fp8_amax_history", "fp8_scale")]
     try:
         yield
     finally:
-        fs.nn.reduce_and_update_amaxes()
         for m, name, value in saved:
             getattr(m, name).copy_(value)
 
@@ -106,8 +106,9 @@ class Trainer:
     """Everything one run holds; ``fit()`` trains and returns the summary; ``close()`` releases
     the run directory (its lock, [Note: run directory lock]) -- the process's exit does too."""
 
-    def __init__(self, cfg: Config, env: DistEnv) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, faults: FaultHooks | None = None) -> None:
         self.cfg, self.env = cfg, env
+        self.faults = faults if faults is not None else FaultHooks()  # tests inject through it
         self.run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
@@ -147,6 +148,10 @@ class Trainer:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.opt, self.forward_module = build_optimizer(cfg, self.model, env)
         self.recipe = build_recipe(cfg)
+        # [Note: amax reduction]: one packed MAX all-reduce of the delayed-scaling amaxes after
+        # each micro-batch's backward, over the data-parallel group.
+        delayed = m.fp8 and isinstance(self.recipe, fs.DelayedScaling)
+        self.amax_sync = fs.nn.AmaxSync(self.model, env.group) if delayed else None
         torch.manual_seed(m.seed + 1 + env.rank)  # dropout streams differ per rank
         self.loader = BatchLoader(self.data.train, m.encoder_seq_length, m.global_batch_size,
                                   m.micro_batch_size, env.rank, env.world_size, cfg.data.seed, env.device)
@@ -156,11 +161,9 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.save_errors = 0  # failed checkpoint saves (checkpoint.on_save_error=continue)
-        self.faults = FaultInjector()
         # Saturated FP8 casts under delayed scaling, found at the amax reduction ([Note: overflow check]).
         factor = t.fp8_overflow_factor
-        delayed = m.fp8 and isinstance(self.recipe, fs.DelayedScaling) and factor > 0
-        self.overflow = OverflowMonitor(self.model, factor) if delayed else None
+        self.overflow = OverflowMonitor(self.model, factor) if delayed and factor > 0 else None
         self.phase, self.phase_step = "start-up", 0  # where a timed-out collective happened
         self._timed: tuple[int, float] = (0, 0.0)
         # Per-rank sum of step losses and number of steps since the last log record: saved in
@@ -168,8 +171,9 @@ class Trainer:
         self.window: list[float] = [0.0, 0]
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
-        if t.compile:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
-            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope)
+        self.compiled = compile_enabled(t.compile, env.device)
+        if self.compiled:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
+            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope, t.compile_backend)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
@@ -239,7 +243,7 @@ class Trainer:
                  "log_window": {"loss_sums": sums, "steps": self.window[1]},
                  "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg),
                  "data_tokens": self._data_tokens()}
-        with self.faults.save_fault(self.step, self.env.rank):  # FP8SHARD_INJECT_SAVE_ERROR_STEPS
+        with self.faults.save_fault(self.step, self.env.rank):  # a test's injected save failure
             return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
                                    step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
                                    process_group=self.env.group)
@@ -270,7 +274,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ contexts
     def _forward_ctx(self) -> contextlib.ExitStack:
-        if self.cfg.trainer.compile and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
+        if self.compiled and self.is_dfa and self.cfg.model.optim.overlap_param_sync:
             # [Note: compile scope]: the parameter all-gathers are awaited here, eagerly, so the
             # forward pre-hooks inside the compiled regions find nothing pending (a pending
             # gather there would be traced into the graph and recompile it region by region).
@@ -279,7 +283,7 @@ class Trainer:
         if self.cfg.trainer.precision == "bf16-mixed":
             stack.enter_context(torch.autocast(self.env.device.type, dtype=torch.bfloat16))
         if self.cfg.model.fp8:
-            stack.enter_context(fs.fp8_autocast(enabled=True, recipe=self.recipe, fp8_group=self.env.group))
+            stack.enter_context(fs.fp8_autocast(enabled=True, recipe=self.recipe))
         return stack
 
     def _no_sync(self) -> Any:
@@ -306,11 +310,13 @@ class Trainer:
             with contextlib.nullcontext() if last else self._no_sync():
                 with self._forward_ctx():
                     loss = self.forward_module(x, y)
-                if inject_nan:  # FP8SHARD_INJECT_NAN_STEPS: a non-finite loss, hence gradients
+                if inject_nan:  # a test's injected non-finite loss, hence gradients
                     loss = loss * float("nan")
                 (loss / len(micro)).backward()
+            if self.amax_sync is not None:  # this micro-batch's amaxes -> the next one's scales
+                self.amax_sync.step()
             loss_sum += loss.detach()
-        # FP8SHARD_INJECT_KILL_STEP: a rank dies mid-step, its peers wait in a collective.
+        # A test's injected kill: a rank dies mid-step, its peers wait in a collective.
         self.faults.maybe_kill(self.step + 1, self.env.rank, self.cfg.trainer.max_steps)
         self.phase = "gradient clipping (gradient reduce-scatter, gradient-norm all-reduce)"
         clip = self.cfg.trainer.gradient_clip_val or math.inf
@@ -331,10 +337,6 @@ class Trainer:
             self._measure_resources()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        if self.overflow is not None:
-            # The amax reduction the next forward would do, done now (the same values: nothing
-            # records amaxes in between), so this step's overflows are found in this step.
-            fs.nn.reduce_and_update_amaxes()
         return float(loss_sum) / len(micro), float(norm), skipped
 
     def _report_overflows(self, where: str) -> None:
@@ -358,7 +360,7 @@ class Trainer:
             grads = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.comm = {"all_reduce.grads": grads}  # DDP: see [Note: comm bytes]
         if self.cfg.model.fp8 and isinstance(self.recipe, fs.DelayedScaling) and self.env.world_size > 1:
-            # fp8_autocast MAX-reduces [n_layers, 3] fp32 amaxes once per forward (micro-batch).
+            # AmaxSync MAX-reduces [n_layers, 3] fp32 amaxes once per backward (micro-batch).
             n = count_fp8_linears(self.model) * 3 * 4 * self.loader.accumulation_steps
             self.comm["all_reduce.fp8_activation_amax"] = n
 
@@ -381,6 +383,8 @@ class Trainer:
                                              env.rank, env.world_size, env.device):
                 with self._forward_ctx():
                     loss = self.model(x, y)
+                if self.amax_sync is not None:  # every rank runs the same number of forwards
+                    self.amax_sync.step()
                 if not padding:
                     total += float(loss) * y.numel()
                     count += y.numel()
