@@ -2,6 +2,7 @@
 
     python benchmarks/bench_linear.py [--device cpu|cuda] [--quick] [--no-compile] [--out FILE.json]
                                       [--tokens N] [--variants "fp8 current,fp8 delayed"]
+                                      [--recipe tensorwise|delayed|rowwise|blockwise ...]
 
 Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 tokens,
 256->512 and 512->256 (CPU-sized); ``--tokens`` changes the token count only (the FFN's
@@ -12,6 +13,9 @@ weights at fewer tokens: its SQNR figures on a CPU). Every variant computes in b
                    each backward, so each step also updates the amax history)
   fp8 params       fp8shard.nn.Linear built in fp8_model_init (E4M3 weight), CurrentScaling
   torchao          torchao.float8 Float8Linear, tensorwise scaling (if torchao imports)
+  fp8 rowwise      fp8shard.nn.Linear, bf16 weight, RowwiseScaling (asked for only)
+  fp8 blockwise    fp8shard.nn.Linear, bf16 weight, BlockwiseScaling (asked for only)
+``--recipe`` runs bf16 and the fp8shard variants of the recipes named (tensorwise is "fp8 current").
 each eager and under ``torch.compile``. A step is forward, backward (grads of input and
 weight) and ``zero_grad``; the time is the median over repetitions (CUDA events on a GPU,
 ``perf_counter`` on CPU). TFLOP/s counts the three GEMMs: 6 x tokens x in x out.
@@ -36,6 +40,9 @@ from fp8shard.testing import sqnr_db
 from timing import median_seconds
 
 VARIANTS = ["bf16", "fp8 current", "fp8 delayed", "fp8 params", "torchao"]
+EXTRA_VARIANTS = ["fp8 rowwise", "fp8 blockwise"]  # run when asked for (--variants, --recipe)
+RECIPE_VARIANTS = {"tensorwise": "fp8 current", "delayed": "fp8 delayed", "rowwise": "fp8 rowwise",
+                   "blockwise": "fp8 blockwise"}
 
 
 def _time(step: Callable[[], None], device: str, warmup: int, reps: int) -> float:
@@ -69,7 +76,9 @@ def _build(variant: str, ref: torch.nn.Linear) -> tuple[torch.nn.Module, Callabl
     if variant == "fp8 delayed":
         recipe, after_backward = fs.DelayedScaling(), fs.nn.AmaxSync(layer).step
     else:
-        recipe, after_backward = fs.CurrentScaling(), _nothing
+        recipe = {"fp8 rowwise": fs.RowwiseScaling(), "fp8 blockwise": fs.BlockwiseScaling()}.get(
+            variant, fs.CurrentScaling())
+        after_backward = _nothing
     return layer, lambda: fs.fp8_autocast(recipe=recipe), after_backward
 
 
@@ -132,27 +141,28 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
 
 def _print(rows: list[dict[str, Any]], header: str) -> None:
     print(header)
-    print(f"{'shape':>20}{'mode':>9}  {'variant':<13}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}"
+    print(f"{'shape':>20}{'mode':>9}  {'variant':<14}{'ms':>10}{'TFLOP/s':>10}{'vs bf16':>9}"
           f"{'SQNR@1':>9}{f'SQNR@{SQNR_CALL}':>9}")
     base = {(r["tokens"], r["in"], r["out"], r["mode"]): r["ms"] for r in rows if r["variant"] == "bf16"
             and "ms" in r}
     for r in rows:
         shape = f"{r['tokens']}x{r['in']}->{r['out']}"
         if "unavailable" in r:
-            print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}  unavailable ({r['unavailable']})")
+            print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<14}  unavailable ({r['unavailable']})")
             continue
         b = base.get((r["tokens"], r["in"], r["out"], r["mode"]))
         r["speedup_vs_bf16"] = b / r["ms"] if b else None
         speed = f"{r['speedup_vs_bf16']:.2f}x" if b else "-"
-        print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<13}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
+        print(f"{shape:>20}{r['mode']:>9}  {r['variant']:<14}{r['ms']:>10.3f}{r['tflops']:>10.2f}"
               f"{speed:>9}{r['sqnr_first_db']:>9.1f}{r['sqnr_db']:>9.1f}")
 
 
 def _variants(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in VARIANTS + EXTRA_VARIANTS]
     if unknown:
-        raise SystemExit(f"bench_linear.py: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}, "
+        raise SystemExit(f"bench_linear.py: unknown variant(s) {unknown}; choose from "
+                         f"{', '.join(VARIANTS + EXTRA_VARIANTS)}, "
                          f"comma-separated, e.g. --variants \"fp8 current,fp8 delayed\"")
     return ["bf16"] + [v for v in names if v != "bf16"]  # the speed-up is against bf16
 
@@ -168,8 +178,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 8192; --quick 128)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, from: {', '.join(VARIANTS)} (bf16 is always run: the reference)")
+    ap.add_argument("--recipe", nargs="+", choices=list(RECIPE_VARIANTS), default=None,
+                    help="bf16 and fp8shard.nn.Linear under these recipes (instead of --variants)")
     args = ap.parse_args()
-    args.variants = _variants(args.variants)
+    args.variants = _variants(",".join(RECIPE_VARIANTS[r] for r in args.recipe) if args.recipe
+                              else args.variants)
     shapes = [(128, 256, 512), (128, 512, 256)] if args.quick else [(8192, 4096, 14336),
                                                                         (8192, 14336, 4096)]
     if args.tokens is not None:

@@ -6,17 +6,19 @@ from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.gemm import get_fp8_gemm, set_fp8_gemm
 from fp8shard.fp8.scaling import (
     AmaxHistory,
+    BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     Recipe,
     RecipeFormat,
+    RowwiseScaling,
     amax,
     scale_from_amax,
 )
 from fp8shard.fp8.tensor import Float8Tensor
 
 __all__ = [
-    "AmaxHistory", "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format", "Recipe",
-    "RecipeFormat", "amax", "cast_from_fp8", "cast_to_fp8", "get_fp8_gemm", "scale_from_amax",
-    "set_fp8_gemm",
+    "AmaxHistory", "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "Float8Tensor", "Fp8Format",
+    "Recipe", "RecipeFormat", "RowwiseScaling", "amax", "cast_from_fp8", "cast_to_fp8", "get_fp8_gemm",
+    "scale_from_amax", "set_fp8_gemm",
 ]

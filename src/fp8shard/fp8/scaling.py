@@ -106,7 +106,46 @@ class DelayedScaling:
             )
 
 
-Recipe = CurrentScaling | DelayedScaling
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+    """One scale per row of each GEMM operand, along the contraction dim (torchao's "rowwise").
+
+    Current scaling only: every cast takes the amaxes of the rows it casts ([Note: quantizer]
+    in ``fp8/quantizer.py``). E4M3 everywhere by default, as torchao's recipe: a scale per row
+    covers the gradients' range without E5M2's extra exponent bit.
+    """
+
+    fp8_format: RecipeFormat = RecipeFormat.E4M3
+    """E4M3 everywhere, or HYBRID (E4M3 forward, E5M2 gradients)."""
+    power_of_2_scales: bool = False
+    """Round each scale down to a power of two (exact scaling and unscaling)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", _parse_recipe_format(self.fp8_format))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseScaling:
+    """DeepSeek-V3's fine-grained recipe: activations and gradients get one scale per 1 x
+    ``block_size`` tile along the contraction dim, weights one per ``block_size`` squared block.
+
+    Current scaling only ([Note: quantizer]); E4M3 everywhere by default, as DeepSeek-V3.
+    """
+
+    fp8_format: RecipeFormat = RecipeFormat.E4M3
+    """E4M3 everywhere, or HYBRID (E4M3 forward, E5M2 gradients)."""
+    block_size: int = 128
+    """Tile length of activations and gradients, side of the weights' square blocks."""
+    power_of_2_scales: bool = False
+    """Round each scale down to a power of two (exact scaling and unscaling)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", _parse_recipe_format(self.fp8_format))
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}; DeepSeek-V3 uses 128")
+
+
+Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockwiseScaling
 
 
 class AmaxHistory:

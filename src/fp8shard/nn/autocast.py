@@ -15,7 +15,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from fp8shard.fp8.scaling import CurrentScaling, DelayedScaling, Recipe
+from fp8shard.fp8.quantizer import RECIPE_NAMES, parse_recipe
+from fp8shard.fp8.scaling import BlockwiseScaling, CurrentScaling, DelayedScaling, Recipe, RowwiseScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,18 @@ FP8_GROUP_MOVED = (
     "sync.step() after each backward, then drop fp8_group")
 
 
-def _check_args(enabled: bool, recipe: object) -> None:
+def _check_args(enabled: bool, recipe: object) -> Recipe | None:
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast(enabled=...) takes a bool, got {type(enabled).__name__}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    if recipe is not None and not isinstance(recipe, (str, DelayedScaling, CurrentScaling, RowwiseScaling,
+                                                      BlockwiseScaling)):
         raise TypeError(
-            f"fp8_autocast(recipe=...) takes a fp8shard DelayedScaling or CurrentScaling, got "
+            f"fp8_autocast(recipe=...) takes a fp8shard DelayedScaling, CurrentScaling, RowwiseScaling "
+            f"or BlockwiseScaling, or a recipe name ({', '.join(RECIPE_NAMES)}), got "
             f"{type(recipe).__module__}.{type(recipe).__name__}; build one with "
             f"fp8shard.DelayedScaling(...) or fp8shard.CurrentScaling(...)"
         )
+    return None if recipe is None else parse_recipe(recipe)  # a name: ValueError naming the choices
 
 
 @contextlib.contextmanager
@@ -53,12 +57,14 @@ def fp8_autocast(
 ) -> Iterator[None]:
     """fp8shard layers run inside compute their GEMMs in FP8 ([Note: three GEMMs]).
 
-    ``recipe`` defaults to ``DelayedScaling()`` (Transformer Engine's default). ``enabled=False``
+    ``recipe`` defaults to ``DelayedScaling()`` (Transformer Engine's default); a recipe object
+    or its name (``delayed``, ``current``/``tensorwise``, ``rowwise``, ``blockwise``: see
+    [Note: quantizer]); a layer's own ``fp8_recipe`` attribute overrides it. ``enabled=False``
     turns FP8 off inside, e.g. for an evaluation pass in a FP8-enabled region. ``fp8_group`` is
     unused (a ``FutureWarning``): the delayed-scaling amaxes are reduced by ``fs.nn.AmaxSync``
     ([Note: amax reduction] in nn/amax_sync.py).
     """
-    _check_args(enabled, recipe)
+    recipe = _check_args(enabled, recipe)
     if fp8_group is not None:
         warnings.warn(FP8_GROUP_MOVED, FutureWarning, stacklevel=3)
     state = Fp8State(recipe if recipe is not None else DelayedScaling(), fp8_group) if enabled else None

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
 from fp8shard.fp8.gemm import fp8_mm
+from fp8shard.fp8.quantizer import is_tiled, parse_recipe
 from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling
 from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
 from fp8shard.nn.autocast import Fp8State, current_fp8_state
 from fp8shard.nn.model_init import current_model_init
+from fp8shard.nn.quantized_linear import quantized_linear
 
 # [Note: informed first call]
 #     Under delayed scaling a cast uses the scale its layer's amax history gave; a layer whose
@@ -175,6 +177,10 @@ class Linear(torch.nn.Linear):
     nn/amax_sync.py; [Note: informed first call] for the first call).
     """
 
+    # This layer's recipe, overriding the autocast's (None: the autocast's); a recipe object or
+    # name, e.g. ``layer.fp8_recipe = fs.RowwiseScaling()`` ([Note: quantizer]).
+    fp8_recipe: object = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         init_state = current_model_init()
@@ -226,7 +232,9 @@ class Linear(torch.nn.Linear):
         return self._forward_fp8(x, state)
 
     def _forward_fp8(self, x: torch.Tensor, state: Fp8State) -> torch.Tensor:
-        recipe = state.recipe
+        recipe = state.recipe if self.fp8_recipe is None else parse_recipe(self.fp8_recipe)
+        if is_tiled(recipe):  # rowwise, blockwise: through their quantizer
+            return quantized_linear(x, self.weight, self.bias, recipe)
         scales = history = None
         if isinstance(recipe, DelayedScaling):
             self._ensure_delayed_state(recipe)

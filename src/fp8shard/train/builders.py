@@ -256,11 +256,15 @@ def build_optimizer(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[torch.
     return opt, ddp
 
 
-def build_recipe(cfg: Config) -> fs.DelayedScaling | fs.CurrentScaling:
+def build_recipe(cfg: Config) -> fs.fp8.Recipe:
     m = cfg.model
     fmt = fs.RecipeFormat.HYBRID if m.fp8_hybrid else fs.RecipeFormat.E4M3
-    if m.fp8_recipe == "current":
+    if m.fp8_recipe in ("current", "tensorwise"):
         return fs.CurrentScaling(fp8_format=fmt)
+    if m.fp8_recipe == "rowwise":
+        return fs.RowwiseScaling(fp8_format=fmt)
+    if m.fp8_recipe == "blockwise":
+        return fs.BlockwiseScaling(fp8_format=fmt)
     return fs.DelayedScaling(margin=m.fp8_margin, fp8_format=fmt, amax_history_len=m.fp8_amax_history_len,
                              amax_compute_algo=m.fp8_amax_compute_algo)
 
