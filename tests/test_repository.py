@@ -28,3 +28,10 @@ def test_run_h200_parts_are_named_by_purpose():
     parts = set(re.findall(r'^if want ([\w-]+); then', text, re.M))
     assert parts == {"tests", "micro", "train", "peers", "peers-compile", "reference", "profile"}
     assert not re.search(r"\b(round2a|round2b|final|peers16|speed)\b", text)
+
+
+def test_benchmarks_hold_scripts_not_results_or_smoke_checks():
+    """Results are dated tables in docs/benchmarks.md; smoke checks are GPU-marked tests."""
+    assert not (ROOT / "benchmarks" / "results").exists()
+    smoke = sorted(p.name for p in (ROOT / "benchmarks").glob("smoke_*"))
+    assert smoke == [], "a smoke check belongs in tests/ as a @pytest.mark.gpu test"

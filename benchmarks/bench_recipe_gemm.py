@@ -1,6 +1,6 @@
 """The recipes' GEMMs on this GPU: which path serves them, and do they match the emulation?
 
-    python benchmarks/smoke_recipe_gemm.py [--out FILE.json]
+    python benchmarks/bench_recipe_gemm.py [--out FILE.json]
 
 For each recipe (tensorwise, rowwise, blockwise) and each of the three GEMMs of a linear layer
 ([Note: three GEMMs]), bf16 output, shape 4096 tokens x 4096 -> 4096 (and a ragged one): the
