@@ -70,6 +70,7 @@ def test_trainer_compile_defaults_to_auto_compiled_on_cuda_only(tmp_path, monkey
     assert compile_enabled("auto", torch.device("cpu")) is False
     assert compile_enabled(True, torch.device("cpu")) is True
     assert compile_enabled(False, torch.device("cuda", 0)) is False
+    assert compile_enabled("auto", torch.device("cuda", 0), "fsdp2") is False  # not compiled yet
     calls = []
     monkeypatch.setattr(loop, "compile_model", lambda *a: calls.append(a) or 0)
     loop.Trainer(cfg, CPU).close()  # auto on CPU: not compiled

@@ -149,11 +149,12 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
 COMPILE_SCOPES = ("model", "graph", "blocks")
 
 
-def compile_enabled(setting: bool | str, device: torch.device) -> bool:
-    """``trainer.compile``: true/false as given; ``auto`` compiles on CUDA only (issue 16: the
-    compiled model is the fast path on the GPU; on CPU, compiling costs more than it saves)."""
+def compile_enabled(setting: bool | str, device: torch.device, strategy: str = "flat") -> bool:
+    """``trainer.compile``: true/false as given; ``auto`` compiles flat-engine runs on CUDA only
+    (the compiled model is the fast path on the GPU; on CPU compiling costs more than it saves;
+    the FSDP2 engine does not compile yet, docs/engines.md)."""
     if setting == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and strategy == "flat"
     return bool(setting)
 
 

@@ -171,7 +171,7 @@ class Trainer:
         self.window: list[float] = [0.0, 0]
         notes: list[str] = []
         self.resumed_from = self._resume(candidates, notes) if candidates else None
-        self.compiled = compile_enabled(t.compile, env.device)
+        self.compiled = compile_enabled(t.compile, env.device, t.strategy)
         if self.compiled:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
             compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope, t.compile_backend)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now

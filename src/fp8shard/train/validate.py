@@ -180,7 +180,8 @@ def _strategy(cfg: Config, world_size: int) -> None:
         (world_size < 2,
          "it shards over 2+ ranks; launch with torchrun --nproc-per-node N (N >= 2) or use "
          "trainer.strategy=flat for one process"),
-        (t.compile, "trainer.compile=true is not supported with it yet; set trainer.compile=false"),
+        (t.compile is True, "trainer.compile=true is not supported with it yet; set "
+                            "trainer.compile=false (or auto, which leaves an fsdp2 run eager)"),
         (o.overlap_param_sync, "model.optim.overlap_param_sync does not apply (FSDP2 prefetches its "
                                "own all-gathers); set it to false"),
         (o.grad_sync_dtype == "fp32" and not fp32_params,
