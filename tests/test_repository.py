@@ -35,3 +35,23 @@ def test_benchmarks_hold_scripts_not_results_or_smoke_checks():
     assert not (ROOT / "benchmarks" / "results").exists()
     smoke = sorted(p.name for p in (ROOT / "benchmarks").glob("smoke_*"))
     assert smoke == [], "a smoke check belongs in tests/ as a @pytest.mark.gpu test"
+
+
+def _design_index() -> dict[str, str]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## 6. Index of the notes", 1)[1]
+    return dict(re.findall(r"^\| (.+?) \| `([^`]+)` \|$", section, re.M))
+
+
+def test_every_cited_note_is_in_the_design_index_and_written_where_it_says():
+    cited = set()
+    for p in [*sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "docs").glob("*.md"))]:
+        # A citation may wrap across lines (and comment markers): compare the words.
+        cited |= {" ".join(re.sub(r"\s*(#|//)?\s*\n\s*(#\s*)?", " ", n).split())
+                  for n in re.findall(r"\[Note: ([^\]]+)\]", p.read_text())} - {"..."}
+    index = _design_index()
+    missing = sorted(cited - set(index))
+    assert missing == [], f"add these notes to docs/design.md, section 6: {missing}"
+    unwritten = [n for n, where in index.items()
+                 if not re.search(r"\[Note: " + re.escape(n) + r"\]", (ROOT / where).read_text())]
+    assert unwritten == [] and len(index) >= 50
