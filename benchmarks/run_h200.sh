@@ -62,7 +62,7 @@ if want peers-compile; then
 fi
 if want reference; then
   # Under ~8 minutes (REFERENCE_BUDGET_S, default 510 s): the compiled nanoGPT-style reference and
-  # torchao float8 against fp8shard compiled whole (trainer.compile_scope=model) with the chunked
+  # torchao float8 against fp8shard compiled whole (trainer.compile_scope=auto: one graph) with the chunked
   # loss, at 125M then 1.3B, then the loss head alone. Each step gets what is left of the budget
   # less what it reserves for the steps after it (a step with under 30 s is skipped and says
   # so); compare_peers rewrites its JSON after every system, so a run cut short keeps its rows.
