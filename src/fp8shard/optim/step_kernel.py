@@ -32,13 +32,12 @@ from typing import Protocol
 
 import torch
 
-from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.fp8_weights import Fp8WeightScaler
-from fp8shard.optim.fused_step import AdamScalars
+from fp8shard.optim.fused_step import AdamScalars, adam_
 
 Run = tuple[int, int, int]
-"""(region index, lo, hi): a range of a region's local shard (master, states) of one param group."""
+"""(unit, lo, hi): a range of one flat state tensor (master, states) of one param group."""
 
 
 @dataclasses.dataclass
@@ -76,12 +75,12 @@ class StepKernel(Protocol):
 
     def local_amax(self) -> torch.Tensor: ...
 
-    def cast(self, scales: torch.Tensor) -> None: ...
+    def cast(self, scales: torch.Tensor | None) -> None: ...
 
 
 def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
               num_groups: int) -> list[list[Run]]:
-    """Per param group: the (region, lo, hi) ranges of the local shards that Adam updates.
+    """Per param group: the (region index, lo, hi) ranges of the local shards that Adam updates.
 
     Neighbouring pieces of one group merge into one range; what lies between them in the local
     shard is padding (zero gradient, zero master), which Adam leaves at zero.
@@ -103,24 +102,26 @@ def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
 
 
 class ReferenceKernel:
-    """The step in PyTorch ops: the reference the fused kernel is checked against.
+    """The step in PyTorch ops over flat state tensors: the reference the fused kernel is checked
+    against, and what the FSDP2 engine runs.
 
-    The gradient shards are copied to fp32 (clipping scales the copies), ``adam_`` updates runs
-    of the master per param group, ``Fp8WeightScaler`` takes the amax and casts; other regions
-    get ``master.to(dtype)``.
+    ``masters``, ``exp_avgs``, ``exp_avg_sqs`` are one flat tensor each per storage unit (a
+    region of the flat engine, a parameter's local shard under FSDP2); ``runs[g]`` lists the
+    (unit, lo, hi) ranges of param group g. Gradients are fp32 copies (clipping scales them in
+    place), ``adam_`` updates the runs. An engine's kernel adds where its gradient shards are
+    read from, the amax and the cast (``grad_shards``, ``local_amax``, ``cast``).
     """
 
-    def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int], num_groups: int,
-                 scaler: Fp8WeightScaler) -> None:
-        self.regions = list(regions)
-        self.runs = adam_runs(regions, group_of, num_groups)
+    def __init__(self, masters: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], runs: list[list[Run]],
+                 scaler: Fp8WeightScaler, device: torch.device) -> None:
+        self.masters, self.exp_avgs, self.exp_avg_sqs = list(masters), list(exp_avgs), list(exp_avg_sqs)
+        self.runs = runs
         self.fp8 = scaler
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [rb.grad_shard_fp32() for rb in self.regions]
+        self.device = device
 
     def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.regions[0].master.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in shards:
             if g.numel():
                 total += torch.linalg.vector_norm(g).square()
@@ -133,18 +134,36 @@ class ReferenceKernel:
         for hp, runs in zip(hps, self.runs, strict=True):
             if not runs:
                 continue
-            rbs = [(self.regions[ri], grads.shards[ri], slice(lo, hi)) for ri, lo, hi in runs]
-            adam_([rb.master[s] for rb, _, s in rbs], [g[s] for _, g, s in rbs],
-                  [rb.exp_avg[s] for rb, _, s in rbs], [rb.exp_avg_sq[s] for rb, _, s in rbs],
+            adam_([self.masters[u][lo:hi] for u, lo, hi in runs],
+                  [grads.shards[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avgs[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avg_sqs[u][lo:hi] for u, lo, hi in runs],
                   step=hp.step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                   weight_decay=hp.weight_decay, decoupled_weight_decay=hp.adam_w_mode)
+
+
+class FlatReferenceKernel(ReferenceKernel):
+    """The reference kernel on the flat engine's regions: the gradient shards copied out of the
+    bucket buffers, ``Fp8WeightScaler``'s amax and cast for FP8 regions, ``master.to(dtype)``
+    for the others."""
+
+    def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int], num_groups: int,
+                 scaler: Fp8WeightScaler) -> None:
+        super().__init__([rb.master for rb in regions], [rb.exp_avg for rb in regions],
+                         [rb.exp_avg_sq for rb in regions], adam_runs(regions, group_of, num_groups),
+                         scaler, regions[0].master.device)
+        self.regions = list(regions)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [rb.grad_shard_fp32() for rb in self.regions]
 
     def local_amax(self) -> torch.Tensor:
         return self.fp8.local_amax(self.regions)
 
-    def cast(self, scales: torch.Tensor) -> None:
+    def cast(self, scales: torch.Tensor | None) -> None:
         for rb in self.regions:
             if rb.is_fp8:
+                assert scales is not None
                 self.fp8.cast_region(rb, scales)
             else:
                 rb.write_param_shards(rb.master.to(rb.dtype))
