@@ -39,7 +39,7 @@ from fp8shard.fp8 import DelayedScaling, Float8Tensor, cast_to_fp8
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
-from fp8shard.optim.step_kernel import ReferenceKernel, Run
+from fp8shard.optim.fused_step import ReferenceKernel, Run
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 

@@ -1,4 +1,11 @@
-"""The fused optimizer step: tile tables, the dispatch to the Triton kernels, and their reference.
+"""The step's ops: the reference Adam(W) update, and the fused step that reproduces it.
+
+First the reference: ``adam_`` (the update on flat fp32 shards, a pure function) and
+``ReferenceKernel`` (a step kernel of PyTorch ops over runs of flat state tensors, which each
+engine completes for its storage: ``FlatReferenceKernel`` in step_kernel.py, ``FSDP2Kernel`` in
+fsdp2.py). Then the fused step: tile tables, the dispatch to the Triton kernels, their reference
+ops and ``FusedKernel``. They live in one module so that a step, on either path, runs its
+arithmetic here ([Note: step kernel]).
 
 [Note: fused step]
     On CUDA with Triton (``fp8shard._triton.use_triton``) the optimizer step on a region is two
@@ -19,7 +26,7 @@
     handles one tile: it knows its slot's scale and writes its own partial amax (no atomics); a
     ``scatter_reduce(amax)`` over tiles gives the per-slot amaxes. Padding is never touched.
 
-    The arithmetic is ``adam.adam_``'s reference formulas op by op in fp32 (IEEE sqrt and
+    The arithmetic is ``adam_``'s reference formulas (above) op by op in fp32 (IEEE sqrt and
     division, the fused multiply-adds where PyTorch's CUDA foreach kernels use them), the cast is
     ``cast_to_fp8`` (x * scale in fp32, clamp to +-max keeping NaN, round to nearest even, as
     c10's conversion), and the amax is exact. Every op here has a PyTorch reference
@@ -50,6 +57,9 @@ from fp8shard.optim.layout import ShardPiece
 if TYPE_CHECKING:
     from fp8shard.optim.fp8_weights import Fp8WeightScaler
     from fp8shard.optim.step_kernel import StepGrads
+
+Run = tuple[int, int, int]
+"""(unit, lo, hi): a range of one flat state tensor (master, states) of one param group."""
 
 DEFAULT_BLOCK = 2048
 """Elements per tile (one Triton program). A power of two."""
@@ -131,6 +141,47 @@ def adam_(
     if low_precision:
         torch._foreach_copy_(exp_avgs, m)
         torch._foreach_copy_(exp_avg_sqs, v)
+
+
+class ReferenceKernel:
+    """The step in PyTorch ops over flat state tensors: the reference the fused kernel is checked
+    against, and what the FSDP2 engine runs.
+
+    ``masters``, ``exp_avgs``, ``exp_avg_sqs`` are one flat tensor each per storage unit (a
+    region of the flat engine, a parameter's local shard under FSDP2); ``runs[g]`` lists the
+    (unit, lo, hi) ranges of param group g. Gradients are fp32 copies (clipping scales them in
+    place), ``adam_`` updates the runs. An engine's kernel adds where its gradient shards are
+    read from, the amax and the cast (``grad_shards``, ``local_amax``, ``cast``).
+    """
+
+    def __init__(self, masters: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], runs: list[list[Run]],
+                 scaler: Fp8WeightScaler, device: torch.device) -> None:
+        self.masters, self.exp_avgs, self.exp_avg_sqs = list(masters), list(exp_avgs), list(exp_avg_sqs)
+        self.runs = runs
+        self.fp8 = scaler
+        self.device = device
+
+    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in shards:
+            if g.numel():
+                total += torch.linalg.vector_norm(g).square()
+        return total
+
+    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
+        torch._foreach_mul_(grads.shards, coef)
+
+    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
+        for hp, runs in zip(hps, self.runs, strict=True):
+            if not runs:
+                continue
+            adam_([self.masters[u][lo:hi] for u, lo, hi in runs],
+                  [grads.shards[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avgs[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avg_sqs[u][lo:hi] for u, lo, hi in runs],
+                  step=hp.step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                  weight_decay=hp.weight_decay, decoupled_weight_decay=hp.adam_w_mode)
 
 
 # ============================================================================ tile table

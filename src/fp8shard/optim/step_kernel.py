@@ -1,17 +1,21 @@
 """The step kernel: the arithmetic of one optimizer step on this rank's shards, chosen once.
 
 [Note: step kernel]
-    ``DistributedFusedAdam`` does every step's arithmetic through one ``StepKernel``, picked at
-    construction (``fused=``, whether Triton serves the device, or ``step_kernel=``):
+    Every step's arithmetic goes through one ``StepKernel`` of the optimizer's engine
+    ([Note: engine]), picked when the engine is built (the flat engine: ``fused=``, whether
+    Triton serves the device, or ``step_kernel=``):
 
-      ``ReferenceKernel`` (here)      PyTorch ops: an fp32 copy of the gradient shard, ``adam_``
-                                      over runs of the master, ``Fp8WeightScaler``'s amax and cast.
-      ``FusedKernel`` (fused_step.py) the two tile kernels of [Note: fused step] (Triton where it
-                                      serves, else their PyTorch reference ops): the gradient is
-                                      read in place from the bucket buffer, in bf16.
+      ``FlatReferenceKernel`` (here)   PyTorch ops on the flat engine's regions: an fp32 copy of
+                                       the gradient shard, ``adam_`` over runs of the master,
+                                       ``Fp8WeightScaler``'s amax and cast (its base,
+                                       ``ReferenceKernel``, is in fused_step.py beside ``adam_``)
+      ``FusedKernel`` (fused_step.py)  the two tile kernels of [Note: fused step] (Triton where it
+                                       serves, else their PyTorch reference ops): the gradient is
+                                       read in place from the bucket buffer, in bf16
+      ``FSDP2Kernel`` (fsdp2.py)       ``ReferenceKernel`` on FSDP2's local shards
 
-    Both give the same skip decision and, with the reference ops, the same bytes (tested bit for
-    bit). A kernel provides:
+    The flat kernels give the same skip decision and, with the reference ops, the same bytes
+    (tested bit for bit). A kernel provides:
 
       grad_shards()           this rank's reduce-scattered gradient, as ``update`` reads it
       grad_sumsq(shards)      the sum of squares of those shards (0-d fp32; inf/NaN if any is)
@@ -20,8 +24,8 @@
       local_amax()            per FP8 slot, max |new master| over this rank's pieces
       cast(scales)            this rank's shards of the parameters from the new master
 
-    The optimizer owns the order (``step()``: finish the gradient reduction; update, amax
-    all-reduce, cast; launch the gathers) and every collective; a kernel never communicates.
+    The optimizer owns the order (``ShardedAdam.step()``: finish the gradient reduction; update,
+    amax all-reduce, cast; launch the gathers) and every collective; a kernel never communicates.
 """
 
 from __future__ import annotations
@@ -34,10 +38,7 @@ import torch
 
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.fp8_weights import Fp8WeightScaler
-from fp8shard.optim.fused_step import AdamScalars, adam_
-
-Run = tuple[int, int, int]
-"""(unit, lo, hi): a range of one flat state tensor (master, states) of one param group."""
+from fp8shard.optim.fused_step import AdamScalars, ReferenceKernel, Run
 
 
 @dataclasses.dataclass
@@ -99,47 +100,6 @@ def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
         if cur is not None:
             runs[cur[0]].append((ri, cur[1], cur[2]))
     return runs
-
-
-class ReferenceKernel:
-    """The step in PyTorch ops over flat state tensors: the reference the fused kernel is checked
-    against, and what the FSDP2 engine runs.
-
-    ``masters``, ``exp_avgs``, ``exp_avg_sqs`` are one flat tensor each per storage unit (a
-    region of the flat engine, a parameter's local shard under FSDP2); ``runs[g]`` lists the
-    (unit, lo, hi) ranges of param group g. Gradients are fp32 copies (clipping scales them in
-    place), ``adam_`` updates the runs. An engine's kernel adds where its gradient shards are
-    read from, the amax and the cast (``grad_shards``, ``local_amax``, ``cast``).
-    """
-
-    def __init__(self, masters: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], runs: list[list[Run]],
-                 scaler: Fp8WeightScaler, device: torch.device) -> None:
-        self.masters, self.exp_avgs, self.exp_avg_sqs = list(masters), list(exp_avgs), list(exp_avg_sqs)
-        self.runs = runs
-        self.fp8 = scaler
-        self.device = device
-
-    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in shards:
-            if g.numel():
-                total += torch.linalg.vector_norm(g).square()
-        return total
-
-    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
-        torch._foreach_mul_(grads.shards, coef)
-
-    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
-        for hp, runs in zip(hps, self.runs, strict=True):
-            if not runs:
-                continue
-            adam_([self.masters[u][lo:hi] for u, lo, hi in runs],
-                  [grads.shards[u][lo:hi] for u, lo, hi in runs],
-                  [self.exp_avgs[u][lo:hi] for u, lo, hi in runs],
-                  [self.exp_avg_sqs[u][lo:hi] for u, lo, hi in runs],
-                  step=hp.step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                  weight_decay=hp.weight_decay, decoupled_weight_decay=hp.adam_w_mode)
 
 
 class FlatReferenceKernel(ReferenceKernel):
