@@ -5,12 +5,12 @@
     every parameter on dim 0 over the mesh's shard dimension; a Float8Tensor weight's shard is
     a Float8Tensor (1 byte per element + the scale), gathered as ``uint8`` bytes before each
     forward and backward ([Note: FSDP2 extension]) and freed after. FSDP2 reduce-scatters the
-    gradients (in the parameters' dtype: bf16) onto the same shards. ``FSDP2Adam`` holds, per
-    local shard, the fp32 master and the Adam moments, and runs the same step as the flat
-    engine on the same numbers:
+    gradients (in the parameters' dtype: bf16) onto the same shards. ``FSDP2Engine`` holds, per
+    local shard, the fp32 master and the Adam moments ([Note: engine]); ``FSDP2Adam`` is the
+    core (``ShardedAdam``) on it, so the step is the flat engine's on the same numbers:
 
         fp32 gradient shard -> one 8-byte all-reduce (norm, non-finite, any gradient)
-        Adam(W) on the fp32 master shard                 (optim/adam.py, op for op)
+        Adam(W) on the fp32 master shard                 (``adam_``, op for op)
         amax per FP8 parameter -> ONE packed all-reduce(MAX) -> scales  [Note: weight scaling]
         cast the master shard straight into the local FP8 bytes; non-FP8 shards get master.to(dtype)
 
@@ -19,7 +19,7 @@
     dimension and FSDP2 all-reduces the gradients over it, so the replicas compute identical
     updates; the optimizer's all-reduces run over the shard dimension only.
 
-    Checkpoints: ``sharded_state_dict()`` has the form of ``DistributedFusedAdam``'s (per
+    Checkpoints: the engine's ``sharded_states()`` has the form of the flat engine's (per
     parameter, pieces of the flattened parameter with their offsets), so the two engines write
     and read the same DCP checkpoints at any world size ([Note: checkpoint space]).
 """
