@@ -46,13 +46,13 @@ def _train(scope: str | None) -> dict:
     regions = compile_model(model, None, scope, backend="aot_eager") if scope else 0
     ran: list[int] = [0]
     positions: list[int] = []  # per reduce-scatter: compiled regions whose backward had run
-    launch = opt.grad_sync._launch
+    launch = opt.engine.grad_sync._launch
 
     def recording_launch(key):
         positions.append(ran[0])
         launch(key)
 
-    opt.grad_sync._launch = recording_launch
+    opt.engine.grad_sync._launch = recording_launch
     gen = torch.Generator().manual_seed(1)
     losses, n_nodes = [], 0
     for _ in range(STEPS):
@@ -67,9 +67,9 @@ def _train(scope: str | None) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    calls = opt._comm.total_calls["reduce_scatter.grads"]
+    calls = opt.engine.comm.total_calls["reduce_scatter.grads"]
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "rs_calls": calls, "rs_bytes": opt._comm.total_bytes["reduce_scatter.grads"],
+            "rs_calls": calls, "rs_bytes": opt.engine.comm.total_bytes["reduce_scatter.grads"],
             "positions": positions[-calls // STEPS:], "nodes": n_nodes, "regions": regions,
             "keys": list(model.state_dict())}
 
@@ -143,7 +143,7 @@ def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu",
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, opt._comm.total_calls["reduce_scatter.grads"]
+    return losses, opt.engine.comm.total_calls["reduce_scatter.grads"]
 
 
 def test_fp8_weights_whole_model_compiled_train_like_eager():
