@@ -8,6 +8,8 @@
 Systems (same model shapes, initial values, tokens, steps and seed):
   fp8shard-fp8    FP8 compute + FP8 parameters + DistributedFusedAdam
   fp8shard-bf16   bf16 parameters + DistributedFusedAdam (FP32 master)
+  fp8shard-fsdp2  fp8shard-fp8 on the FSDP2 engine (fully_shard_model without resharding after
+                  the forward, FSDP2Adam), eager
   ddp-adamw       torch DistributedDataParallel + torch.optim.AdamW, fp32 params, bf16 autocast
   zero-adamw      torch ZeroRedundancyOptimizer(AdamW) + DDP, fp32 params, bf16 autocast
   torchao-fsdp2   torchao float8 training + FSDP2 fully_shard (emulated on CPU); FP8 all-gather
@@ -75,10 +77,11 @@ import torch
 import torch.distributed as dist
 
 SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
-           "reference-bf16", "torchao-float8"]
+           "reference-bf16", "torchao-float8", "fp8shard-fsdp2"]
 SINGLE = ("reference-bf16", "torchao-float8")  # world size 1 by definition
 REFERENCE = "reference-bf16"
 COMPILED = "+compile"  # suffix of an fp8shard system run compiled in place (--compile)
+COMPILABLE = ("fp8shard-fp8", "fp8shard-bf16")  # the FSDP2 engine trains eager (docs/engines.md)
 
 # ----------------------------------------------------------------------------- wire accounting
 
@@ -315,6 +318,18 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         note = f"{cfg.get('recipe', 'delayed')} scaling"
         note += "; " + _compile_fp8shard(model, recipe, scope, backend, mode) if compiled else ""
         return model, opt, Fp8Context(model, recipe), note
+    if system == "fp8shard-fsdp2":  # the same FP8 weights and optimizer math on FSDP2 (eager)
+        from fp8shard.optim.fsdp2 import FSDP2Adam, default_mesh, fully_shard_model
+
+        with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
+            model = GPT(gcfg).to(device)
+        model.to(torch.bfloat16)
+        # Gathered weights kept from the forward to the backward (ZeRO-2-like), as the flat engine
+        # keeps them: one all-gather per step, so the two engines move the same bytes.
+        fully_shard_model(model, default_mesh(), reshard_after_forward=False)
+        opt = FSDP2Adam(model.parameters(), lr=lr, weight_decay=0.0)
+        recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
+        return model, opt, Fp8Context(model, recipe), f"{cfg.get('recipe', 'delayed')} scaling; FSDP2 engine"
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
@@ -557,12 +572,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _config(args)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
-        if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and not s.startswith("fp8shard")):
+        if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and s.removesuffix(COMPILED)
+                                                        not in COMPILABLE):
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} "
-                     f"(fp8shard systems also as NAME{COMPILED})")
-    if args.compile:  # each fp8shard system, then its compiled twin
-        systems = [x for s in systems for x in ([s, s + COMPILED] if s.startswith("fp8shard")
-                                                and not s.endswith(COMPILED) else [s])]
+                     f"({', '.join(COMPILABLE)} also as NAME{COMPILED})")
+    if args.compile:  # each compilable fp8shard system, then its compiled twin
+        systems = [x for s in systems for x in ([s, s + COMPILED] if s in COMPILABLE else [s])]
     if args.gpu:
         def partial(rows: list[dict]) -> None:  # what a run cut short by a time limit leaves
             if args.out:

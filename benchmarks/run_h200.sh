@@ -10,6 +10,7 @@
 #   peers-compile  the same, fp8shard compiled in place, against torchao float8 + FSDP2
 #   reference      against the compiled plain-PyTorch GPT and torchao float8, 125M and 1.3B (time-boxed)
 #   profile        where a GPT step's time goes, and the Linear's and the cast's
+#   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   all            every part above, in that order
 # Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
@@ -23,8 +24,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # torchao, carried as a wheel (no networ
 fi
 part="${1:-all}"
 case "$part" in
-  tests|micro|train|peers|peers-compile|reference|profile|all) ;;
-  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile or all" >&2
+  tests|micro|train|peers|peers-compile|reference|profile|engines|all) ;;
+  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines or all" >&2
      exit 2 ;;
 esac
 py=python3
@@ -97,4 +98,10 @@ if want profile; then
   run $py benchmarks/profile_linear.py --variants "bf16,fp8 current,fp8 delayed,fp8 params" \
     --modes compile,eager --out "$OUT/profile_linear.json" 2>&1 | tail -20
   run $py benchmarks/profile_cast.py --profile --sweep --out "$OUT/profile_cast.json" 2>&1 | tail -30
+fi
+if want engines; then
+  # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2
+  # (blocks compiled, FP8 all-gather); every system eager but torchao's blocks.
+  run $py benchmarks/compare_peers.py --gpu --size 1b --systems fp8shard-fp8,fp8shard-fsdp2,torchao-fsdp2 \
+    --out "$OUT/compare_engines_1b.json" 2>&1 | tail -6
 fi

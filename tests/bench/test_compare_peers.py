@@ -35,7 +35,7 @@ def _rows(result):
 def test_every_system_ran_or_says_why(result):
     rows = _rows(result)
     assert set(rows) == {"fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
-                         "reference-bf16", "torchao-float8"}
+                         "reference-bf16", "torchao-float8", "fp8shard-fsdp2"}
     for name, r in rows.items():
         if not r["available"]:
             assert name in OPTIONAL and "not installed" in r["reason"]
@@ -73,6 +73,19 @@ def test_fp8shard_wire_bytes_match_design_table(result, system):
         assert elems["float8"] > 0.5 * r["params"]
         bf16_gather, _ = _gather_and_scatter(_rows(result)["fp8shard-bf16"])
         assert gather < 0.7 * bf16_gather  # FP8 weights halve the gathered bytes of the matrices
+
+
+def test_the_fsdp2_engine_trains_and_gathers_as_the_flat_engine(result):
+    """fp8shard-fsdp2: the same FP8 weights and optimizer math on FSDP2, so the same losses (to
+    fp32 rounding) and the same gathered bytes (FP8 bytes through the extension, one gather per
+    step) as fp8shard-fp8."""
+    rows = _rows(result)
+    flat, fsdp2 = rows["fp8shard-fp8"], rows["fp8shard-fsdp2"]
+    assert fsdp2["loss"] == pytest.approx(flat["loss"], rel=1e-4)
+    flat_gather, flat_scatter = _gather_and_scatter(flat)
+    gather, scatter = _gather_and_scatter(fsdp2)
+    assert 0.95 * flat_gather <= gather <= 1.05 * flat_gather
+    assert scatter == pytest.approx(flat_scatter, rel=0.05)
 
 
 def test_memory_per_parameter_is_ordered_as_the_design_says(result):
