@@ -28,12 +28,12 @@ def interpreted(monkeypatch):
     """The Triton kernels of ``triton_adam`` made interpreted (``tests/triton_interp.py``), serving
     CPU tensors whenever ``fp8shard.get_triton()`` allows (as ``use_triton`` does on CUDA)."""
     from fp8shard._triton import triton_enabled
-    from fp8shard.optim import distributed_fused_adam, triton_adam
+    from fp8shard.optim import flat, triton_adam
     from tests.triton_interp import interpreted as interpreted_kernels
 
     with interpreted_kernels(monkeypatch, triton_adam):
         assert type(triton_adam._adam_kernel).__name__ == "InterpretedFunction"
-        for mod in (fs, distributed_fused_adam):
+        for mod in (fs, flat):
             monkeypatch.setattr(mod, "use_triton", lambda *tensors: triton_enabled())
         yield triton_adam
 
