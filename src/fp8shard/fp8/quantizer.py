@@ -445,6 +445,11 @@ def quantizer_for(recipe: Recipe | str) -> TensorwiseQuantizer | RowwiseQuantize
     return TensorwiseQuantizer()
 
 
+def weight_quantizer(block: tuple[int, int]) -> RowwiseQuantizer | BlockwiseQuantizer:
+    """The quantizer of a stored weight scaled per ``block`` tile (``Float8Tensor.block``)."""
+    return RowwiseQuantizer() if block[0] == 1 else BlockwiseQuantizer(block[0])
+
+
 def is_tiled(recipe: object) -> bool:
     """Whether ``recipe`` scales per tile (rowwise, blockwise) rather than per tensor."""
     return isinstance(recipe, (RowwiseScaling, BlockwiseScaling))
@@ -453,5 +458,5 @@ def is_tiled(recipe: object) -> bool:
 __all__ = [
     "BlockwiseQuantizer", "Fp8Operand", "OperandKind", "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer",
     "TensorwiseQuantizer", "cast_tiles", "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe",
-    "quantize_tiles", "quantizer_for", "tile_amax", "tile_scales", "weight_block",
+    "quantize_tiles", "quantizer_for", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
 ]

@@ -34,7 +34,7 @@ from torch import nn
 
 from fp8shard._triton import use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
-from fp8shard.optim.buffers import RegionBuffers, storage_dtype
+from fp8shard.optim.buffers import RegionBuffers, shard_unit, storage_dtype
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
 from fp8shard.optim.fused_step import AdamScalars, FusedKernel
@@ -132,7 +132,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.fused = fused
         self.kernel = self._choose_kernel(step_kernel)  # [Note: step kernel], once
         self._grads: StepGrads | None = None  # this window's reduced gradient, made on first use
-        self._ready_slots: dict[tuple[int, ...], torch.Tensor] = {}  # _on_params_ready's indices
         if module is not None:
             self.register_module(module)
 
@@ -148,7 +147,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
         # Backward visits parameters roughly in reverse registration order: [Note: shard layout].
         order = reversed(list(enumerate(self._params)))
-        specs = [ParamSpec(i, p.numel(), storage_dtype(p)) for i, p in order]
+        specs = [ParamSpec(i, p.numel(), storage_dtype(p), shard_unit(p)) for i, p in order]
         elem = torch.empty(0, dtype=grad_dtype).element_size()
         layouts = build_layout(specs, self.group.world_size, int(bucket_cap_mb * 2**20 / elem), alignment)
         return [RegionBuffers(lay, self.group.rank, self.device, grad_dtype, state_dtype) for lay in layouts]
@@ -171,7 +170,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _choose_kernel(self, choice: str) -> StepKernel:
         if choice == "auto":
-            choice = "fused" if self.fused and use_triton(self.regions[0].master) else "reference"
+            fused = self.fused and not self.fp8.tiled and use_triton(self.regions[0].master)
+            choice = "fused" if fused else "reference"  # tiled FP8 weights: [Note: tiled weight casts]
         group_of = {self._index_of[id(p)]: g for g, grp in enumerate(self.param_groups)
                     for p in grp["params"]}
         if choice == "fused":
@@ -279,20 +279,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.param_sync.wait_all()
 
     def _on_params_ready(self, indices: list[int]) -> None:
-        fp8 = [i for i in indices if isinstance(self._params[i], Float8Tensor)]
-        if not fp8:
-            return
-        # One batched copy for all of them (a launch per parameter would cost host time).
-        key = tuple(fp8)
-        slots = self._ready_slots.get(key)
-        if slots is None:
-            slots = self._ready_slots[key] = torch.tensor(
-                [self.fp8.slot[i] for i in fp8], device=self._new_scale_inv.device)
-        new = self._new_scale_inv.index_select(0, slots)
-        dst = [self._params[i]._scale_inv for i in fp8]
-        torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new.unbind(0), dst, strict=True)])
-        for i in fp8:
-            self._params[i].mark_bytes_changed()  # drops the cached transpose (TE 1596)
+        fp8 = {i: self._params[i] for i in indices if isinstance(self._params[i], Float8Tensor)}
+        if fp8:  # one batched copy for all of them (a launch per parameter would cost host time)
+            self.fp8.set_scale_inv(fp8, self._new_scale_inv)
 
     # ================================================================== gradients
     @contextlib.contextmanager
