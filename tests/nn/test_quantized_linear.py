@@ -104,11 +104,14 @@ def test_tensorwise_quantizer_through_the_generic_function_is_todays_linear():
         assert torch.equal(a, c)
 
 
-def test_fp8_stored_weight_with_a_tiled_recipe_says_what_to_do():
-    with fs.fp8_model_init():
+@pytest.mark.parametrize(("stored", "computed"), [(None, "rowwise"), ("rowwise", "blockwise"),
+                                                 ("blockwise", "delayed"), ("rowwise", "current")])
+def test_fp8_stored_weight_of_another_recipe_says_what_to_do(stored, computed):
+    with fs.fp8_model_init(recipe=stored):
         layer = Linear(64, 32)
-    with fs.fp8_autocast(recipe="rowwise"), pytest.raises(
-            NotImplementedError, match=r"rowwise recipe with an FP8-stored weight.*model.fp8_params=false"):
+    with fs.fp8_autocast(recipe=computed), pytest.raises(
+            ValueError, match=rf"the {'tensorwise' if computed in ('delayed', 'current') else computed} recipe "
+                              r"needs its FP8-stored weight.*fp8_model_init\(recipe=...\)"):
         layer(torch.randn(4, 64))
 
 

@@ -39,10 +39,12 @@ def test_training_runs_a_few_steps_with_each_recipe(tmp_path, name):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.fp8_recipe=rowise"],
      "model.fp8_recipe: 'rowise' is not one of: delayed, current, tensorwise, rowwise, blockwise"),
-    (["model.fp8_recipe=rowwise"],
-     r"model.fp8_recipe=rowwise with model.fp8_params=true is not supported yet.*set model.fp8_params=false"),
-    (["model.fp8_recipe=blockwise"], r"model.fp8_recipe=blockwise with model.fp8_params=true"),
+    (["model.fp8_recipe=rowwise", "trainer.strategy=fsdp2"],
+     r"model.fp8_recipe=rowwise with model.fp8_params=true trains with the flat engine only.*"
+     r"set trainer.strategy=flat"),
+    (["model.fp8_recipe=blockwise", "trainer.strategy=fsdp2"],
+     r"model.fp8_recipe=blockwise with model.fp8_params=true trains with the flat engine only"),
 ])
 def test_bad_recipe_config_names_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides, world_size=1)
+        load_config(overrides, world_size=2)
