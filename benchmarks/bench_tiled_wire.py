@@ -23,10 +23,12 @@ SHAPES = {  # name: (hidden, ffn, layers)
     "tiny (64, 256, x2; tests/train TINY)": (64, 256, 2),
 }
 BUCKET_NUMEL = int(25 * 2**20 / 2)
+RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 
 def weights(hidden: int, ffn: int, layers: int) -> list[tuple[int, int]]:
-    return [s for _ in range(layers) for s in ((3 * hidden, hidden), (hidden, hidden), (ffn, hidden), (hidden, ffn))]
+    block = ((3 * hidden, hidden), (hidden, hidden), (ffn, hidden), (hidden, ffn))  # qkv, proj, fc1, fc2
+    return [s for _ in range(layers) for s in block]
 
 
 def unit_and_slots(recipe: str, rows: int, cols: int) -> tuple[int, int]:
@@ -56,9 +58,10 @@ def main() -> None:
     print(f"{'shapes':40} {'ranks':>5} {'tensorwise':>11} {'rowwise':>8} {'blockwise':>10}")
     for name, dims in SHAPES.items():
         for world in (1, 2, 8):
-            row = {r: bytes_per_weight(r, weights(*dims), world) for r in ("tensorwise", "rowwise", "blockwise")}
+            row = {r: bytes_per_weight(r, weights(*dims), world) for r in RECIPES}
             rows.append({"shapes": name, "world_size": world, **row})
-            print(f"{name:40} {world:>5} {row['tensorwise']:>11.4f} {row['rowwise']:>8.4f} {row['blockwise']:>10.4f}")
+            t, r, b = (row[k] for k in RECIPES)
+            print(f"{name:40} {world:>5} {t:>11.4f} {r:>8.4f} {b:>10.4f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bytes_per_weight": rows, "bucket_numel": BUCKET_NUMEL}, f, indent=1)

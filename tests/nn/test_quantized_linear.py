@@ -110,7 +110,8 @@ def test_fp8_stored_weight_of_another_recipe_says_what_to_do(stored, computed):
     with fs.fp8_model_init(recipe=stored):
         layer = Linear(64, 32)
     with fs.fp8_autocast(recipe=computed), pytest.raises(
-            ValueError, match=rf"the {'tensorwise' if computed in ('delayed', 'current') else computed} recipe "
+            ValueError, match=rf"the {'tensorwise' if computed in ('delayed', 'current') else computed} "
+                              r"recipe "
                               r"needs its FP8-stored weight.*fp8_model_init\(recipe=...\)"):
         layer(torch.randn(4, 64))
 

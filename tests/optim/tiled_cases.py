@@ -58,5 +58,6 @@ def one_step_against_reference(recipe: str, bucket_cap_mb: float) -> dict[str, A
                   and p.block == ref.block)
     weights = sum(p.numel() for p in fp8.values())
     comm = opt.comm_report()
-    wire = sum(v for k, v in comm.items() if k.startswith("all_gather.params.float8")) + comm["all_reduce.amax"]
+    gathered = sum(v for k, v in comm.items() if k.startswith("all_gather.params.float8"))
+    wire = gathered + comm["all_reduce.amax"]
     return {"equal": out, "bytes_per_weight": wire / weights, "kernel": type(opt.kernel).__name__}

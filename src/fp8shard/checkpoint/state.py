@@ -154,8 +154,9 @@ def scale_shape(shape: list[int], block: Any) -> list[int]:
 def model_keys(name: str, entry: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
     """DCP keys of one manifest entry with the shape and dtype each must have."""
     if entry["fp8"]:
+        scales = scale_shape(entry["shape"], entry.get("fp8_block"))
         return {MODEL + name + FP8_BYTES: (entry["shape"], torch.uint8),
-                MODEL + name + SCALE_INV: (scale_shape(entry["shape"], entry.get("fp8_block")), torch.float32)}
+                MODEL + name + SCALE_INV: (scales, torch.float32)}
     return {MODEL + name: (entry["shape"], parse_dtype(entry["dtype"]))}
 
 

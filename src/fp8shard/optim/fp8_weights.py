@@ -161,7 +161,8 @@ class Fp8WeightScaler:
             for pc in rb.pieces:
                 x, at, grid = self._tile_piece(rb, pc)
                 stats = self._amax[at:at + grid[0] * grid[1]].view(grid)
-                op = self.quantizer[pc.param_index].cast(x, stats, self.tiled[pc.param_index].fp8_format, "weight")
+                fmt = self.tiled[pc.param_index].fp8_format
+                op = self.quantizer[pc.param_index].cast(x, stats, fmt, "weight")
                 rb.param_buffer[pc.region_offset:pc.region_offset + pc.numel].copy_(
                     op.data.reshape(-1).view(torch.uint8))
             return
@@ -206,8 +207,8 @@ class Fp8WeightScaler:
         if index in self.span:
             start, k = self.span[index]
             if sd["scale"].numel() != k:
-                raise ValueError(f"parameter {index}: the checkpoint has {sd['scale'].numel()} weight scales, "
-                                 f"this {self.quantizer[index].name} weight has {k} tiles")
+                raise ValueError(f"parameter {index}: the checkpoint has {sd['scale'].numel()} weight "
+                                 f"scales, this {self.quantizer[index].name} weight has {k} tiles")
             self.scale[start:start + k] = sd["scale"].reshape(-1).to(self.scale)
             return
         s = self.slot[index]
