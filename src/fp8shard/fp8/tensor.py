@@ -278,9 +278,6 @@ class Float8Tensor(torch.Tensor):
         """FSDP2's all-gather inputs: this shard's FP8 bytes as ``uint8``; the scale as metadata."""
         from fp8shard.fp8.fsdp import pre_all_gather
 
-        if self._block is not None:
-            raise NotImplementedError("FSDP2 gathers per-tensor FP8 weights only; rowwise or blockwise FP8 "
-                                      "weights train with the flat engine (trainer.strategy=flat)")
         return pre_all_gather(self, mesh, outer_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple, metadata: Any, param_dtype: torch.dtype,
