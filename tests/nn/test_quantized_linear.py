@@ -141,8 +141,30 @@ def test_no_grad_forward_and_frozen_weight():
     assert sqnr_db(torch.ones(8, 64) @ layer.weight.detach(), xg.grad) >= 25
 
 
+@pytest.mark.parametrize("fp8_params", [False, True], ids=["hp-weights", "fp8-weights"])
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
-def test_compile_matches_eager_cpu(recipe):
+def test_compile_matches_eager_cpu(recipe, fp8_params):
     """torch.compile of a model of tiled-recipe layers (Inductor once rejected the blockwise
-    scale expansion on CPU: the tile multiply now goes through a tiled view)."""
-    compile_case("cpu", TILED[recipe], False)
+    scale expansion on CPU: the tile multiply now goes through a tiled view); with weights
+    stored with the recipe's scales ([Note: tiled FP8 weights]) too."""
+    compile_case("cpu", TILED[recipe], fp8_params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_compile_matches_eager_with_stored_tiled_weights_cuda(recipe):
+    compile_case("cuda", TILED[recipe], True)
+
+
+@pytest.mark.parametrize("recipe", list(TILED))
+def test_stored_tiled_weights_sqnr_against_float64(recipe):
+    """Weights stored with the recipe's scales: the layer keeps the same accuracy."""
+    sqnr = sqnr_case("cpu", True, TILED[recipe])
+    assert sqnr["y"] >= 25 and sqnr["dx"] >= 22 and sqnr["dw"] >= 22, sqnr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(TILED))
+def test_stored_tiled_weights_sqnr_against_float64_cuda(recipe):
+    sqnr = sqnr_case("cuda", True, TILED[recipe])
+    assert sqnr["y"] >= 25 and sqnr["dx"] >= 22 and sqnr["dw"] >= 22, sqnr

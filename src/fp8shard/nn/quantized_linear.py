@@ -66,6 +66,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
             if need_dgrad and isinstance(quantizer, RowwiseQuantizer):
                 _, wt_op = quantizer.quantize(weight.dequantize(torch.float32), fwd_fmt, "weight",
                                               rows=False, cols=True)
+            elif need_dgrad and torch.compiler.is_compiling():
+                # [Note: compile] No Python transpose cache in a graph: Wᵀ traced from the bytes.
+                wt_op = _transposed(weight._data.t().contiguous(), weight)
             elif need_dgrad:
                 ctx.fp8_weight = weight
         else:
@@ -89,10 +92,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         dy_op, dyt_op = q.quantize(dy2d, ctx.bwd_fmt, "activation", rows=need_dgrad, cols=need_wgrad)
         dx = dw = db = None
         if need_dgrad:
-            w = ctx.fp8_weight
-            if w is not None:  # per tensor, or blockwise: the transposed bytes and scale grid
-                wt_op = Fp8Operand(w.fp8_transpose(), w._scale_inv if w.block is None else w._scale_inv.t(),
-                                   w.block)
+            if ctx.fp8_weight is not None:  # per tensor, or blockwise: the cached transposed bytes
+                wt_op = _transposed(ctx.fp8_weight.fp8_transpose(), ctx.fp8_weight)
             else:
                 wt_op = Fp8Operand(wt_data, wt_scale_inv, ctx.wt_block)
             dx = q.gemm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape)  # type: ignore[arg-type]
@@ -104,6 +105,11 @@ class _QuantizedLinearFn(torch.autograd.Function):
             same = dy2d.dtype == ctx.b_dtype
             db = dy2d.sum(0) if same else dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         return dx, dw, db, None, None, None
+
+
+def _transposed(data_t: torch.Tensor, w: Float8Tensor) -> Fp8Operand:
+    """Wᵀ of a per-tensor or blockwise stored weight: its transposed bytes and scale grid."""
+    return Fp8Operand(data_t, w._scale_inv if w.block is None else w._scale_inv.t().contiguous(), w.block)
 
 
 def _check_fp8_weight(quantizer: Quantizer, weight: Float8Tensor) -> None:
