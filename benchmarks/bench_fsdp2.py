@@ -116,12 +116,12 @@ def persistent_per_fp8_elem(model: nn.Module, opt: torch.optim.Optimizer) -> flo
                 numel += p.numel()
                 grad = local_shard(p.grad) if p.grad is not None else None
                 total += local.numel() + (grad.numel() * grad.element_size() if grad is not None else 0)
-                states = 2 * opt.exp_avg[i].numel() * opt.exp_avg[i].element_size()
-                total += opt.master[i].numel() * 4 + states
+                states = 2 * opt.engine.exp_avg[i].numel() * opt.engine.exp_avg[i].element_size()
+                total += opt.engine.master[i].numel() * 4 + states
         return total / numel
     # The flat engine's buffers hold every parameter; the FP8 region is the FP8 weights'.
     total, numel = 0, 0
-    for rb in opt.regions:
+    for rb in opt.engine.regions:
         if rb.is_fp8:
             numel += sum(pr.numel for pr in rb.layout.params)
             total += sum(v for k, v in rb.nbytes().items() if k != "other_weights")

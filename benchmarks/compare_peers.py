@@ -27,9 +27,9 @@ Systems (same model shapes, initial values, tokens, steps and seed):
                   current (per-tensor amax of each cast, as torchao's tensorwise recipe)
   --compile       adds "<system>+compile" after each fp8shard system chosen: the same model
                   compiled in place as ``trainer.compile=true`` does, with --compile-scope
-                  (default model: the whole model, one graph per region; see
-                  fp8shard.train.builders.compile_model), so eager and compiled fp8shard run
-                  side by side in one call
+                  (default auto: one graph at world size 1, one graph per region above; see
+                  fp8shard.train.builders.compile_model) and --compile-mode (reduce-overhead:
+                  CUDA graphs), so eager and compiled fp8shard run side by side in one call
   --size          GPU shapes: 1b (default: 24 x 2048, FFN 8192, 16 heads, vocab 32768, seq
                   2048, 8 sequences) or 125m (12 x 768, FFN 3072, 12 heads, vocab 50304, seq
                   1024, 16 sequences)
@@ -209,12 +209,14 @@ def _swap_to_torch_linear(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _compile_fp8shard(model: torch.nn.Module, recipe: Any, scope: str, backend: str) -> str:
+def _compile_fp8shard(model: torch.nn.Module, recipe: Any, scope: str, backend: str, mode: str) -> str:
     """Compile in place, as the training command's ``trainer.compile=true`` does."""
-    from fp8shard.train.builders import compile_model
+    from fp8shard.train.builders import compile_model, compile_scope_for
 
-    n = compile_model(model, recipe, scope, backend)
-    return f"compiled in place, trainer.compile_scope={scope} ({n} region(s))"
+    scope = compile_scope_for(scope, dist.get_world_size())
+    n = compile_model(model, recipe, scope, backend, mode)
+    how = "" if mode == "default" else f", trainer.compile_mode={mode}"
+    return f"compiled in place, trainer.compile_scope={scope}{how} ({n} region(s))"
 
 
 def _torchao_filter(kind: str):
@@ -299,8 +301,9 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     torch.manual_seed(cfg["seed"])
     compiled = system.endswith(COMPILED)
     system = system.removesuffix(COMPILED)
-    scope = cfg.get("compile_scope", "model")
+    scope = cfg.get("compile_scope", "auto")
     backend = cfg.get("compile_backend", "inductor")
+    mode = cfg.get("compile_mode", "default")
     if system in SINGLE:  # built on the CPU as the others, so all start from the same values
         return _build_single(system, cfg, device, GPT(gcfg))
     if system == "fp8shard-fp8":
@@ -310,12 +313,12 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
         note = f"{cfg.get('recipe', 'delayed')} scaling"
-        note += "; " + _compile_fp8shard(model, recipe, scope, backend) if compiled else ""
+        note += "; " + _compile_fp8shard(model, recipe, scope, backend, mode) if compiled else ""
         return model, opt, Fp8Context(model, recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
-        note = _compile_fp8shard(model, None, scope, backend) if compiled else note
+        note = _compile_fp8shard(model, None, scope, backend, mode) if compiled else note
         return model, opt, contextlib.nullcontext, note
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     if system in ("ddp-adamw", "zero-adamw"):
@@ -404,6 +407,8 @@ def run_system(system: str, cfg: dict) -> dict:
             if cfg["gpu"]:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            if cfg.get("compile_mode", "default") != "default":  # CUDA graphs: a new step
+                torch.compiler.cudagraph_mark_step_begin()
             loss = step_loss(model, ctx, x, y)
             loss.backward()
             after_backward(ctx)
@@ -456,7 +461,8 @@ GPU_SIZES = {
 def _config(args: argparse.Namespace) -> dict:
     size = getattr(args, "size", None)
     common = dict(recipe=getattr(args, "recipe", "delayed"),
-                  compile_scope=getattr(args, "compile_scope", "model"),
+                  compile_scope=getattr(args, "compile_scope", "auto"),
+                  compile_mode=getattr(args, "compile_mode", "default"),
                   compile_backend=getattr(args, "compile_backend", "inductor"),
                   torchao_filter=getattr(args, "torchao_filter", None))
     if args.gpu:
@@ -532,8 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="also run each chosen fp8shard system compiled in place ('+compile' rows); "
                          "on CPU also compiles reference-bf16 and torchao-float8 (always on GPU)")
-    ap.add_argument("--compile-scope", choices=("model", "graph", "blocks"), default="model",
-                    help="what '+compile' compiles (trainer.compile_scope; default model)")
+    ap.add_argument("--compile-scope", choices=("auto", "model", "graph", "blocks"), default="auto",
+                    help="what '+compile' compiles (trainer.compile_scope; default auto: one graph at "
+                         "world size 1, regions above)")
+    ap.add_argument("--compile-mode", choices=("default", "reduce-overhead"), default="default",
+                    help="'+compile' fp8shard systems: trainer.compile_mode (reduce-overhead: CUDA graphs)")
     ap.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                     help="torch.compile backend of the compiled rows (trainer.compile_backend)")
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed",

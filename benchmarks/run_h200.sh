@@ -61,22 +61,27 @@ if want peers-compile; then
     --out "$OUT/compare_peers_compile.json" 2>&1 | tail -12
 fi
 if want reference; then
-  # Under ~8 minutes (REFERENCE_BUDGET_S, default 510 s): the compiled nanoGPT-style reference and
-  # torchao float8 against fp8shard compiled whole (trainer.compile_scope=model) with the chunked
+  # Under 9 minutes (REFERENCE_BUDGET_S, default 540 s): the compiled nanoGPT-style reference and
+  # torchao float8 against fp8shard compiled whole (trainer.compile_scope=auto: one graph) with the chunked
   # loss, at 125M then 1.3B, then the loss head alone. Each step gets what is left of the budget
   # less what it reserves for the steps after it (a step with under 30 s is skipped and says
   # so); compare_peers rewrites its JSON after every system, so a run cut short keeps its rows.
-  deadline=$((SECONDS + ${REFERENCE_BUDGET_S:-510}))
+  deadline=$((SECONDS + ${REFERENCE_BUDGET_S:-540}))
   budgeted() {  # budgeted RESERVE_S CMD...
     local left=$((deadline - SECONDS - $1)); shift
     if [ "$left" -lt 30 ]; then echo "+ skipped (budget spent): $*"; return 0; fi
     run timeout "$left" "$@"
   }
-  budgeted 180 $py benchmarks/compare_peers.py --gpu --compile --size 125m \
-    --systems reference-bf16,fp8shard-fp8,fp8shard-bf16,torchao-float8 \
+  budgeted 320 $py benchmarks/compare_peers.py --gpu --size 125m \
+    --systems reference-bf16,fp8shard-fp8+compile,fp8shard-bf16+compile,torchao-float8 \
     --out "$OUT/compare_reference_125m.json" > "$OUT/compare_reference_125m.log" 2>&1
   tail -9 "$OUT/compare_reference_125m.log"
-  budgeted 60 $py benchmarks/compare_peers.py --gpu --size 1b \
+  # The launch-bound 125M step: current scaling and CUDA graphs (trainer.compile_mode=reduce-overhead).
+  budgeted 220 $py benchmarks/compare_peers.py --gpu --size 125m --recipe current --compile-mode reduce-overhead \
+    --systems reference-bf16,fp8shard-fp8+compile,fp8shard-bf16+compile \
+    --out "$OUT/compare_reference_125m_graphs.json" > "$OUT/compare_reference_125m_graphs.log" 2>&1
+  tail -7 "$OUT/compare_reference_125m_graphs.log"
+  budgeted 20 $py benchmarks/compare_peers.py --gpu --size 1b \
     --systems reference-bf16,fp8shard-fp8+compile,torchao-float8,fp8shard-bf16+compile \
     --out "$OUT/compare_reference_1b.json" > "$OUT/compare_reference_1b.log" 2>&1
   tail -7 "$OUT/compare_reference_1b.log"

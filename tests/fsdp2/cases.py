@@ -121,8 +121,8 @@ def memory_per_fp8_elem(steps: int = 2) -> dict[str, float]:
             grad = local_shard(p.grad)
             parts["weights"] += local.numel() * local.fp8_data.element_size()
             parts["grads"] += grad.numel() * grad.element_size()
-            parts["master"] += opt.master[i].numel() * opt.master[i].element_size()
-            parts["states"] += 2 * opt.exp_avg[i].numel() * opt.exp_avg[i].element_size()
+            parts["master"] += opt.engine.master[i].numel() * opt.engine.master[i].element_size()
+            parts["states"] += 2 * opt.engine.exp_avg[i].numel() * opt.engine.exp_avg[i].element_size()
     n = fp8_numel(model)
     out = {k: v / n for k, v in parts.items()}
     out["world"] = dist.get_world_size()
@@ -200,8 +200,8 @@ def hsdp_shards_agree(steps: int = 3) -> bool:
         mine = local.uint8_view().float() if isinstance(local, Float8Tensor) else local.float()
         both = [torch.empty_like(mine.reshape(-1)) for _ in range(2)]
         dist.all_gather(both, mine.reshape(-1).contiguous(), group=rep_group)
-        m2 = [torch.empty_like(opt.master[i]) for _ in range(2)]
-        dist.all_gather(m2, opt.master[i], group=rep_group)
+        m2 = [torch.empty_like(opt.engine.master[i]) for _ in range(2)]
+        dist.all_gather(m2, opt.engine.master[i], group=rep_group)
         ok = ok and torch.equal(both[0], both[1]) and torch.equal(m2[0], m2[1])
     return ok
 

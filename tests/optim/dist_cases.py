@@ -195,7 +195,7 @@ def run_training(case: Case) -> dict:
                 out = model(batch(step, rank, j, case.rows), skip_gamma=case.skip_on_rank0 and rank == 0)
                 (out.square().mean() * factor).backward()
         if case.overlap_param_sync and step > 1:
-            assert not opt.param_sync.pending, "forward pre-hooks should have waited for every bucket"
+            assert not opt.engine.param_sync.pending, "forward pre-hooks should have waited for every bucket"
         # --- reference gradients: every rank's micro-batches at the current weights, summed in
         # the order the buckets accumulate them, then averaged over ranks in fp32.
         avg = {n: torch.zeros_like(ref[n]) for n in names}
@@ -229,7 +229,7 @@ def run_training(case: Case) -> dict:
             assert ref_norm > case.clip  # the test really clips
         ref_opt.step()
         if case.overlap_param_sync:
-            assert opt.param_sync.pending  # step() returned with the all-gathers in flight
+            assert opt.engine.param_sync.pending  # step() returned with the all-gathers in flight
             opt.wait_param_sync()
         _check_against_reference(opt, model, names, ref, case, scale, history)
     sd = opt.state_dict()
@@ -304,7 +304,7 @@ def wire_and_memory(alignment: int, fp8: bool = True) -> dict:
     for p in params:
         data = p._data if isinstance(p, Float8Tensor) else p.detach()
         storages[data.untyped_storage().data_ptr()] = data.untyped_storage().nbytes()
-    for rb in opt.regions:
+    for rb in opt.engine.regions:
         for t in rb.tensors():
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return {"comm": opt.comm_report(), "memory": opt.memory_report(), "storage_bytes": sum(storages.values()),

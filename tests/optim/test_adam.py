@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from fp8shard.optim.adam import adam_
+from fp8shard.optim.fused_step import adam_
 
 
 def _run_reference(params, grads_per_step, adam_w, **hp):

@@ -31,9 +31,9 @@ import fp8shard
 from fp8shard.fp8 import Float8Tensor, Fp8Format, cast_to_fp8
 from fp8shard.optim import DistributedFusedAdam
 from fp8shard.optim import fused_step as fs
-from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.fp8_weights import Fp8WeightScaler
+from fp8shard.optim.fused_step import adam_
 from fp8shard.optim.layout import ParamSpec, build_layout
 from tests.optim.dist_cases import TINY_BUCKET_MB, TinyMixed, batch, param_groups
 

@@ -121,9 +121,9 @@ def test_overlap_param_sync_needs_a_module():
         opt.register_module(nn.Linear(2, 2))
     opt.register_module(model)
     opt.step()
-    assert opt.param_sync.pending  # in flight until the next forward
+    assert opt.engine.param_sync.pending  # in flight until the next forward
     model(batch(2, 0))
-    assert not opt.param_sync.pending
+    assert not opt.engine.param_sync.pending
 
 
 def test_master_starts_from_the_preserved_init_value():

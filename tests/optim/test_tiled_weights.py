@@ -12,7 +12,7 @@ import torch
 import fp8shard as fs
 from fp8shard.optim import DistributedFusedAdam
 from fp8shard.optim.layout import ParamSpec, build_layout
-from fp8shard.optim.step_kernel import ReferenceKernel
+from fp8shard.optim.step_kernel import FlatReferenceKernel
 from tests.optim import tiled_cases as tc
 
 RECIPES = ["delayed", "current", "rowwise", "blockwise"]
@@ -61,7 +61,7 @@ def test_two_ranks_equal_quantizing_the_reference_master(recipe, dist_pools):
     for res in dist_pools(2).run(tc.one_step_against_reference, recipe, 0.05):
         assert all(res["equal"].values()), res["equal"]
         if recipe in ("rowwise", "blockwise"):
-            assert res["kernel"] == "ReferenceKernel"  # [Note: tiled weight casts]
+            assert res["kernel"] == "FlatReferenceKernel"  # [Note: tiled weight casts]
 
 
 def test_tiled_weights_refuse_the_fused_step_and_delayed_weight_scaling():
@@ -72,7 +72,7 @@ def test_tiled_weights_refuse_the_fused_step_and_delayed_weight_scaling():
     model = tc.build("rowwise")
     with pytest.raises(ValueError, match=r"fp8_weight_scaling='delayed' is per-tensor only.*'current'"):
         DistributedFusedAdam(model.parameters(), fp8_weight_scaling="delayed")
-    assert isinstance(DistributedFusedAdam(model.parameters()).kernel, ReferenceKernel)
+    assert isinstance(DistributedFusedAdam(model.parameters()).engine.kernel, FlatReferenceKernel)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])

@@ -605,7 +605,7 @@ def _objects() -> _Objects:
 
 
 def _state(o: _Objects) -> tuple[str, str, list[str]]:
-    grads = [tensor_digest(rb.grad_buffer) for rb in o.opt.regions]
+    grads = [tensor_digest(rb.grad_buffer) for rb in o.opt.engine.regions]
     return tensor_digest(o.f8), weights_and_state_digest(o.model, o.opt), grads
 
 

@@ -46,13 +46,13 @@ def _train(scope: str | None) -> dict:
     regions = compile_model(model, None, scope, backend="aot_eager") if scope else 0
     ran: list[int] = [0]
     positions: list[int] = []  # per reduce-scatter: compiled regions whose backward had run
-    launch = opt.grad_sync._launch
+    launch = opt.engine.grad_sync._launch
 
     def recording_launch(key):
         positions.append(ran[0])
         launch(key)
 
-    opt.grad_sync._launch = recording_launch
+    opt.engine.grad_sync._launch = recording_launch
     gen = torch.Generator().manual_seed(1)
     losses, n_nodes = [], 0
     for _ in range(STEPS):
@@ -67,9 +67,9 @@ def _train(scope: str | None) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    calls = opt._comm.total_calls["reduce_scatter.grads"]
+    calls = opt.engine.comm.total_calls["reduce_scatter.grads"]
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "rs_calls": calls, "rs_bytes": opt._comm.total_bytes["reduce_scatter.grads"],
+            "rs_calls": calls, "rs_bytes": opt.engine.comm.total_bytes["reduce_scatter.grads"],
             "positions": positions[-calls // STEPS:], "nodes": n_nodes, "regions": regions,
             "keys": list(model.state_dict())}
 
@@ -119,7 +119,7 @@ def test_unknown_scope_is_refused():
 
 
 def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu",
-               backend: str = "inductor") -> tuple[list[float], int]:
+               backend: str = "inductor", mode: str = "default") -> tuple[list[float], int]:
     """FP8 weights and GEMMs (delayed scaling) + DistributedFusedAdam, as the training command."""
     import fp8shard as fs
 
@@ -130,18 +130,20 @@ def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu",
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01)
     recipe = fs.DelayedScaling()
     if scope:
-        compile_model(model, recipe, scope, backend=backend)
+        compile_model(model, recipe, scope, backend=backend, mode=mode)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, CFG.vocab_size, (2, 16), generator=gen).to(device)
+        if mode == "reduce-overhead":  # as the Trainer does before every forward
+            torch.compiler.cudagraph_mark_step_begin()
         with fs.fp8_autocast(enabled=True, recipe=recipe):
             loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, opt._comm.total_calls["reduce_scatter.grads"]
+    return losses, opt.engine.comm.total_calls["reduce_scatter.grads"]
 
 
 def test_fp8_weights_whole_model_compiled_train_like_eager():
@@ -162,3 +164,21 @@ def test_cuda_inductor_whole_model_fp8_trains_like_eager(scope):
     got, calls = _train_fp8(scope, steps=3, device="cuda")
     assert got == pytest.approx(eager, rel=1e-2)
     assert calls == eager_calls > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["model", "graph"])
+def test_cuda_graphs_train_as_the_compiled_model(scope):
+    """``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs, with
+    FP8 weights rewritten in place by the optimizer and the delayed-scaling state updated between
+    replays, give the losses of the same compiled model without CUDA graphs (the same kernels)."""
+    plain, plain_calls = _train_fp8(scope, steps=5, device="cuda")
+    graphs, calls = _train_fp8(scope, steps=5, device="cuda", mode="reduce-overhead")
+    assert graphs == pytest.approx(plain, rel=1e-3)
+    assert calls == plain_calls > 0
+    assert graphs[-1] < graphs[0]  # it trains: stale replays (weights not seen) would not
+
+
+def test_an_unknown_compile_mode_is_refused():
+    with pytest.raises(ValueError, match="compile mode 'max-autotune': choose one of default, reduce"):
+        compile_model(GPT(CFG), None, "graph", mode="max-autotune")

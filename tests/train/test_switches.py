@@ -9,7 +9,7 @@ import torch
 
 import fp8shard
 from fp8shard.train import loop
-from fp8shard.train.builders import build_model, build_optimizer, configure_compute
+from fp8shard.train.builders import build_model, build_optimizer, compile_scope_for, configure_compute
 from fp8shard.train.config import ConfigError, load_config
 from fp8shard.train.distributed import DistEnv
 from tests.reliability.common import run_args
@@ -40,8 +40,8 @@ def test_trainer_triton_and_optim_fused_reach_the_library(tmp_path):
 def test_trainer_compile_backend_reaches_torch_compile(tmp_path, monkeypatch):
     calls = []
 
-    def recording_compile(model, recipe, scope, backend):
-        calls.append((scope, backend))
+    def recording_compile(model, recipe, scope, backend, mode):
+        calls.append((scope, backend, mode))
         return 0
 
     monkeypatch.setattr(loop, "compile_model", recording_compile)
@@ -49,7 +49,28 @@ def test_trainer_compile_backend_reaches_torch_compile(tmp_path, monkeypatch):
                                "trainer.compile_scope=blocks"), world_size=1)
     trainer = loop.Trainer(cfg, CPU)
     trainer.close()
-    assert calls == [("blocks", "eager")]
+    assert calls == [("blocks", "eager", "default")]
+    # The default scope: one graph on one process (nothing to overlap), regions on several.
+    cfg = load_config(run_args(tmp_path / "run2", "trainer.compile=true", "trainer.compile_backend=eager"),
+                      world_size=1)
+    assert cfg.trainer.compile_scope == "auto" and cfg.trainer.compile_mode == "default"
+    trainer = loop.Trainer(cfg, CPU)
+    trainer.close()
+    assert calls[-1] == ("graph", "eager", "default") and trainer.compile_scope == "graph"
+    assert compile_scope_for("auto", 2) == "model" and compile_scope_for("blocks", 1) == "blocks"
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"compile_mode=reduce-overhead replays CUDA graphs and needs a "
+                                          r"GPU; set trainer\.compile_mode=default on CPU"):
+        load_config(run_args(tmp_path / "run", "trainer.compile_mode=reduce-overhead"), world_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"compiled flat-engine run; set trainer\.compile=true"):
+        load_config(run_args(tmp_path / "run", "trainer.compile_mode=reduce-overhead",
+                              "trainer.compile=false"), world_size=1)
+    with pytest.raises(ConfigError, match=r"compile_mode: 'max' is not one of: default, reduce-overhead"):
+        load_config(["trainer.compile_mode=max"], world_size=1)
 
 
 def test_a_bad_switch_value_names_the_key_and_its_choices():

@@ -70,7 +70,7 @@ from fp8shard.checkpoint.planner import (
     read_dcp_metadata,
 )
 from fp8shard.checkpoint.rng import capture_rng, restore_rng, rng_key
-from fp8shard.optim import DistributedFusedAdam
+from fp8shard.optim.core import ShardedAdam
 
 LATEST = "latest"
 _T = TypeVar("_T")
@@ -247,7 +247,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     final = Path(path).absolute()
     root, tmp = final.parent, final.parent / f".tmp-{final.name}"
     rank, world = _rank_world(process_group)
-    if isinstance(optimizer, DistributedFusedAdam):
+    if isinstance(optimizer, ShardedAdam):
         optimizer.wait_param_sync()  # in-flight all-gathers are still writing the weights
 
     def prepare() -> tuple[dict[str, torch.Tensor], dict[str, FlatPieces], dict[str, Any]]:

@@ -20,16 +20,14 @@ from torch import nn
 from fp8shard.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError
 from fp8shard.checkpoint.planner import FlatPieces
 from fp8shard.checkpoint.state import OPTIM, dtype_name, parse_dtype, unwrap
-from fp8shard.optim import DistributedFusedAdam
-from fp8shard.optim.distributed_fused_adam import _check_hparams
-from fp8shard.optim.fsdp2 import FSDP2Adam
+from fp8shard.optim.core import ShardedAdam, _check_hparams
 
 DFA_STATES = ("master", "exp_avg", "exp_avg_sq")
 DFA_KIND = "distributed_fused_adam"
 # Both engines hold the same state (fp32 master + Adam moments per parameter, the same FP8 weight
-# scaling) and save it in the same model-space pieces, so their checkpoints are one kind and
-# either resumes the other ([Note: FSDP2 engine]).
-SHARDED_ADAMS = (DistributedFusedAdam, FSDP2Adam)
+# scaling) and ShardedAdam saves it in the same model-space pieces from either engine's sharded
+# view, so their checkpoints are one kind and either resumes the other ([Note: engine]).
+SHARDED_ADAMS = ShardedAdam
 
 
 @dataclasses.dataclass
@@ -195,7 +193,7 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
     return "?"
 
 
-def _dfa_load(opt: DistributedFusedAdam | FSDP2Adam, names: list[str],
+def _dfa_load(opt: ShardedAdam, names: list[str],
               section: dict[str, Any]) -> OptimizerLoad:
     opt.wait_param_sync()
     ssd = opt.sharded_state_dict()  # views into the live buffers

@@ -1,4 +1,11 @@
-"""The fused optimizer step: tile tables, the dispatch to the Triton kernels, and their reference.
+"""The step's ops: the reference Adam(W) update, and the fused step that reproduces it.
+
+First the reference: ``adam_`` (the update on flat fp32 shards, a pure function) and
+``ReferenceKernel`` (a step kernel of PyTorch ops over runs of flat state tensors, which each
+engine completes for its storage: ``FlatReferenceKernel`` in step_kernel.py, ``FSDP2Kernel`` in
+fsdp2.py). Then the fused step: tile tables, the dispatch to the Triton kernels, their reference
+ops and ``FusedKernel``. They live in one module so that a step, on either path, runs its
+arithmetic here ([Note: step kernel]).
 
 [Note: fused step]
     On CUDA with Triton (``fp8shard._triton.use_triton``) the optimizer step on a region is two
@@ -19,7 +26,7 @@
     handles one tile: it knows its slot's scale and writes its own partial amax (no atomics); a
     ``scatter_reduce(amax)`` over tiles gives the per-slot amaxes. Padding is never touched.
 
-    The arithmetic is ``adam.adam_``'s reference formulas op by op in fp32 (IEEE sqrt and
+    The arithmetic is ``adam_``'s reference formulas (above) op by op in fp32 (IEEE sqrt and
     division, the fused multiply-adds where PyTorch's CUDA foreach kernels use them), the cast is
     ``cast_to_fp8`` (x * scale in fp32, clamp to +-max keeping NaN, round to nearest even, as
     c10's conversion), and the amax is exact. Every op here has a PyTorch reference
@@ -44,13 +51,15 @@ import torch
 
 from fp8shard._triton import use_triton
 from fp8shard.fp8 import Fp8Format, cast_to_fp8
-from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.layout import ShardPiece
 
 if TYPE_CHECKING:
     from fp8shard.optim.fp8_weights import Fp8WeightScaler
     from fp8shard.optim.step_kernel import StepGrads
+
+Run = tuple[int, int, int]
+"""(unit, lo, hi): a range of one flat state tensor (master, states) of one param group."""
 
 DEFAULT_BLOCK = 2048
 """Elements per tile (one Triton program). A power of two."""
@@ -65,6 +74,114 @@ OUT_PARAM = 3  # other regions: the parameter shard in the buffer's dtype
 def _f32(x: float) -> float:
     """``x`` rounded to fp32 (nearest even), as PyTorch rounds a Python scalar for an fp32 op."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ============================================================================ the reference update
+# The Adam(W) formulas of ``torch.optim.Adam`` (single-tensor path), op by op, on flat fp32 shards,
+# so on the same inputs the master comes out bit-identical to it (tests/optim/test_adam.py):
+#
+#     AdamW: p *= 1 - lr * wd                 Adam + L2: g = g + wd * p
+#     m.lerp_(g, 1 - beta1);  v = v * beta2 + (1 - beta2) * g * g
+#     p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+#
+# The ops are elementwise, so the result does not depend on how the elements are split into
+# tensors: the kernels run it on any slices of their storage. Kernel 1 below reproduces it.
+def adam_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool = True,
+    fused: bool | None = None,
+) -> None:
+    """One Adam(W) update in place on fp32 ``params`` (``step`` counts from 1).
+
+    ``grads`` are fp32 and are not modified. ``exp_avgs``/``exp_avg_sqs`` may be fp32 or a
+    16-bit dtype; 16-bit states are updated in fp32 and rounded back once per step.
+    ``fused`` (default: on CUDA with fp32 states) runs PyTorch's fused Adam(W) kernel, one pass
+    over params, grads and states instead of about ten; it agrees with the reference formulas
+    to rounding, not bit for bit, so the CPU default stays on the reference path.
+    """
+    if not params:
+        return
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    if fused is None:
+        fused = params[0].is_cuda and exp_avgs[0].dtype == torch.float32
+    if fused:
+        kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        steps = [torch.tensor(float(step), device=params[0].device) for _ in params]
+        kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    low_precision = exp_avgs[0].dtype != torch.float32
+    m = [t.float() for t in exp_avgs] if low_precision else exp_avgs
+    v = [t.float() for t in exp_avg_sqs] if low_precision else exp_avg_sqs
+    torch._foreach_lerp_(m, grads, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, m, denom, value=-step_size)
+    if low_precision:
+        torch._foreach_copy_(exp_avgs, m)
+        torch._foreach_copy_(exp_avg_sqs, v)
+
+
+class ReferenceKernel:
+    """The step in PyTorch ops over flat state tensors: the reference the fused kernel is checked
+    against, and what the FSDP2 engine runs.
+
+    ``masters``, ``exp_avgs``, ``exp_avg_sqs`` are one flat tensor each per storage unit (a
+    region of the flat engine, a parameter's local shard under FSDP2); ``runs[g]`` lists the
+    (unit, lo, hi) ranges of param group g. Gradients are fp32 copies (clipping scales them in
+    place), ``adam_`` updates the runs. An engine's kernel adds where its gradient shards are
+    read from, the amax and the cast (``grad_shards``, ``local_amax``, ``cast``).
+    """
+
+    def __init__(self, masters: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], runs: list[list[Run]],
+                 scaler: Fp8WeightScaler, device: torch.device) -> None:
+        self.masters, self.exp_avgs, self.exp_avg_sqs = list(masters), list(exp_avgs), list(exp_avg_sqs)
+        self.runs = runs
+        self.fp8 = scaler
+        self.device = device
+
+    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in shards:
+            if g.numel():
+                total += torch.linalg.vector_norm(g).square()
+        return total
+
+    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
+        torch._foreach_mul_(grads.shards, coef)
+
+    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
+        for hp, runs in zip(hps, self.runs, strict=True):
+            if not runs:
+                continue
+            adam_([self.masters[u][lo:hi] for u, lo, hi in runs],
+                  [grads.shards[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avgs[u][lo:hi] for u, lo, hi in runs],
+                  [self.exp_avg_sqs[u][lo:hi] for u, lo, hi in runs],
+                  step=hp.step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                  weight_decay=hp.weight_decay, decoupled_weight_decay=hp.adam_w_mode)
 
 
 # ============================================================================ tile table

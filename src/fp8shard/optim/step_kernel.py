@@ -1,17 +1,21 @@
 """The step kernel: the arithmetic of one optimizer step on this rank's shards, chosen once.
 
 [Note: step kernel]
-    ``DistributedFusedAdam`` does every step's arithmetic through one ``StepKernel``, picked at
-    construction (``fused=``, whether Triton serves the device, or ``step_kernel=``):
+    Every step's arithmetic goes through one ``StepKernel`` of the optimizer's engine
+    ([Note: engine]), picked when the engine is built (the flat engine: ``fused=``, whether
+    Triton serves the device, or ``step_kernel=``):
 
-      ``ReferenceKernel`` (here)      PyTorch ops: an fp32 copy of the gradient shard, ``adam_``
-                                      over runs of the master, ``Fp8WeightScaler``'s amax and cast.
-      ``FusedKernel`` (fused_step.py) the two tile kernels of [Note: fused step] (Triton where it
-                                      serves, else their PyTorch reference ops): the gradient is
-                                      read in place from the bucket buffer, in bf16.
+      ``FlatReferenceKernel`` (here)   PyTorch ops on the flat engine's regions: an fp32 copy of
+                                       the gradient shard, ``adam_`` over runs of the master,
+                                       ``Fp8WeightScaler``'s amax and cast (its base,
+                                       ``ReferenceKernel``, is in fused_step.py beside ``adam_``)
+      ``FusedKernel`` (fused_step.py)  the two tile kernels of [Note: fused step] (Triton where it
+                                       serves, else their PyTorch reference ops): the gradient is
+                                       read in place from the bucket buffer, in bf16
+      ``FSDP2Kernel`` (fsdp2.py)       ``ReferenceKernel`` on FSDP2's local shards
 
-    Both give the same skip decision and, with the reference ops, the same bytes (tested bit for
-    bit). A kernel provides:
+    The flat kernels give the same skip decision and, with the reference ops, the same bytes
+    (tested bit for bit). A kernel provides:
 
       grad_shards()           this rank's reduce-scattered gradient, as ``update`` reads it
       grad_sumsq(shards)      the sum of squares of those shards (0-d fp32; inf/NaN if any is)
@@ -20,8 +24,8 @@
       local_amax()            per FP8 slot, max |new master| over this rank's pieces
       cast(scales)            this rank's shards of the parameters from the new master
 
-    The optimizer owns the order (``step()``: finish the gradient reduction; update, amax
-    all-reduce, cast; launch the gathers) and every collective; a kernel never communicates.
+    The optimizer owns the order (``ShardedAdam.step()``: finish the gradient reduction; update,
+    amax all-reduce, cast; launch the gathers) and every collective; a kernel never communicates.
 """
 
 from __future__ import annotations
@@ -32,13 +36,9 @@ from typing import Protocol
 
 import torch
 
-from fp8shard.optim.adam import adam_
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.fp8_weights import Fp8WeightScaler
-from fp8shard.optim.fused_step import AdamScalars
-
-Run = tuple[int, int, int]
-"""(region index, lo, hi): a range of a region's local shard (master, states) of one param group."""
+from fp8shard.optim.fused_step import AdamScalars, ReferenceKernel, Run
 
 
 @dataclasses.dataclass
@@ -76,12 +76,12 @@ class StepKernel(Protocol):
 
     def local_amax(self) -> torch.Tensor: ...
 
-    def cast(self, scales: torch.Tensor) -> None: ...
+    def cast(self, scales: torch.Tensor | None) -> None: ...
 
 
 def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
               num_groups: int) -> list[list[Run]]:
-    """Per param group: the (region, lo, hi) ranges of the local shards that Adam updates.
+    """Per param group: the (region index, lo, hi) ranges of the local shards that Adam updates.
 
     Neighbouring pieces of one group merge into one range; what lies between them in the local
     shard is padding (zero gradient, zero master), which Adam leaves at zero.
@@ -102,49 +102,28 @@ def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
     return runs
 
 
-class ReferenceKernel:
-    """The step in PyTorch ops: the reference the fused kernel is checked against.
-
-    The gradient shards are copied to fp32 (clipping scales the copies), ``adam_`` updates runs
-    of the master per param group, ``Fp8WeightScaler`` takes the amax and casts; other regions
-    get ``master.to(dtype)``.
-    """
+class FlatReferenceKernel(ReferenceKernel):
+    """The reference kernel on the flat engine's regions: the gradient shards copied out of the
+    bucket buffers, ``Fp8WeightScaler``'s amax and cast for FP8 regions, ``master.to(dtype)``
+    for the others."""
 
     def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int], num_groups: int,
                  scaler: Fp8WeightScaler) -> None:
+        super().__init__([rb.master for rb in regions], [rb.exp_avg for rb in regions],
+                         [rb.exp_avg_sq for rb in regions], adam_runs(regions, group_of, num_groups),
+                         scaler, regions[0].master.device)
         self.regions = list(regions)
-        self.runs = adam_runs(regions, group_of, num_groups)
-        self.fp8 = scaler
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [rb.grad_shard_fp32() for rb in self.regions]
 
-    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.regions[0].master.device)
-        for g in shards:
-            if g.numel():
-                total += torch.linalg.vector_norm(g).square()
-        return total
-
-    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
-        torch._foreach_mul_(grads.shards, coef)
-
-    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
-        for hp, runs in zip(hps, self.runs, strict=True):
-            if not runs:
-                continue
-            rbs = [(self.regions[ri], grads.shards[ri], slice(lo, hi)) for ri, lo, hi in runs]
-            adam_([rb.master[s] for rb, _, s in rbs], [g[s] for _, g, s in rbs],
-                  [rb.exp_avg[s] for rb, _, s in rbs], [rb.exp_avg_sq[s] for rb, _, s in rbs],
-                  step=hp.step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                  weight_decay=hp.weight_decay, decoupled_weight_decay=hp.adam_w_mode)
-
     def local_amax(self) -> torch.Tensor:
         return self.fp8.local_amax(self.regions)
 
-    def cast(self, scales: torch.Tensor) -> None:
+    def cast(self, scales: torch.Tensor | None) -> None:
         for rb in self.regions:
             if rb.is_fp8:
+                assert scales is not None
                 self.fp8.cast_region(rb, scales)
             else:
                 rb.write_param_shards(rb.master.to(rb.dtype))

@@ -5,7 +5,7 @@ without Triton installed works too (the kernels are then simply not defined).
 
 Kernel 1 (``_adam_kernel``) and kernel 2 (``_cast_kernel``) run one program per tile of a
 ``TileTable``. A full tile (``numel == BLOCK``) takes the unmasked, vectorizable path; the last
-tile of a piece takes the masked one. Offsets are int64. Arithmetic follows ``adam.adam_``'s
+tile of a piece takes the masked one. Offsets are int64. Arithmetic follows ``fused_step.adam_``'s
 reference formulas as PyTorch's CUDA foreach kernels evaluate them, op by op in fp32:
 
     AdamW:  p = p * (1 - lr*wd)                      Adam + L2:  g = fma(wd, p, g)

@@ -148,6 +148,7 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
 
 
 COMPILE_SCOPES = ("model", "graph", "blocks")
+COMPILE_MODES = ("default", "reduce-overhead")
 
 
 def compile_enabled(setting: bool | str, device: torch.device, strategy: str = "flat") -> bool:
@@ -159,15 +160,26 @@ def compile_enabled(setting: bool | str, device: torch.device, strategy: str = "
     return bool(setting)
 
 
+def compile_scope_for(setting: str, world_size: int) -> str:
+    """``trainer.compile_scope``: as given, or for ``auto`` ``graph`` on one process (no gradient
+    reduce-scatter to overlap, so nothing is lost by one graph and the fusion across regions is
+    won) and ``model`` (regions whose gradients arrive block by block) on several."""
+    if setting != "auto":
+        return setting
+    return "graph" if world_size == 1 else "model"
+
+
 def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | None,
-                  scope: str = "model", backend: str = "inductor") -> int:
+                  scope: str = "model", backend: str = "inductor", mode: str = "default") -> int:
     """``trainer.compile``: ``torch.compile`` the model in place; returns the number of compiled
     regions (graphs per step, before recompilations).
 
     [Note: compile scope]
         ``trainer.compile_scope`` says what is compiled:
 
-        * ``model`` (default): the whole model as regions (``GPT.compile_regions``, [Note:
+        * ``auto`` (default): ``graph`` on one process, ``model`` on several
+          (``compile_scope_for``).
+        * ``model``: the whole model as regions (``GPT.compile_regions``, [Note:
           compile regions]): the embeddings, each block, and the final norm + output layer +
           loss, one graph each. A compiled region is one autograd node whose parameter
           gradients all arrive when its backward ends, so DistributedFusedAdam's gradient hooks
@@ -192,19 +204,26 @@ def compile_model(model: GPT, recipe: fs.DelayedScaling | fs.CurrentScaling | No
         on modules inside the compiled regions, where a pending gather would be traced into the
         graph. Overlapping the gathers with a compiled forward needs region-level waits.
     ``backend`` (``trainer.compile_backend``) is Inductor by default; ``aot_eager`` or ``eager``
-    trace the same graphs without generating code (tests, debugging).
+    trace the same graphs without generating code (tests, debugging). ``mode``
+    (``trainer.compile_mode``) ``reduce-overhead`` replays each graph as a CUDA graph; the caller
+    then marks the start of every forward (``torch.compiler.cudagraph_mark_step_begin``).
     """
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: choose one of {', '.join(COMPILE_SCOPES)}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
     if recipe is not None:
         fs.nn.prepare_delayed_scaling(model, recipe)
+    kwargs: dict[str, Any] = {"backend": backend}
+    if mode != "default":
+        kwargs["mode"] = mode
     if scope == "graph":
-        model.compile(backend=backend)
+        model.compile(**kwargs)
         return 1
     if scope == "model":
-        return model.compile_regions(backend=backend)
+        return model.compile_regions(**kwargs)
     for block in model.blocks:
-        block.compile(backend=backend)
+        block.compile(**kwargs)
     return len(model.blocks)
 
 

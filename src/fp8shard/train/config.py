@@ -62,11 +62,15 @@ class TrainerConfig:
     """torch.compile the model in place (same module tree and state-dict keys); what is compiled
     is trainer.compile_scope. auto: on for GPU runs (the fast path there), off on CPU (compiling
     costs more than it saves at CPU sizes). docs/training.md, 'Compiling'."""
-    compile_scope: Literal["model", "graph", "blocks"] = "model"
-    """With compile=true: model (the whole model, one graph per region: embeddings, each block,
+    compile_scope: Literal["auto", "model", "graph", "blocks"] = "auto"
+    """With compile on: model (the whole model, one graph per region: embeddings, each block,
     final norm + output layer + loss; gradient reduce-scatters overlap the backward), graph (the
-    whole model as one graph: reduce-scatters start after the whole backward) or blocks (only the
-    blocks; embeddings, head and loss eager)."""
+    whole model as one graph: reduce-scatters start after the whole backward), blocks (only the
+    blocks; embeddings, head and loss eager) or auto: graph on one process (nothing to overlap,
+    and fusion across the regions' boundaries is the gain), model on several."""
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """With compile on, on a GPU: default, or reduce-overhead (the compiled graphs replayed as CUDA
+    graphs: fewer kernel launches from the host; each step marks its start for them)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """With compile=true: the torch.compile backend; inductor generates kernels, aot_eager and
     eager trace without generating code (tests, debugging)."""

@@ -51,6 +51,7 @@ from fp8shard.train.builders import (
     build_recipe,
     compile_enabled,
     compile_model,
+    compile_scope_for,
     configure_compute,
     count_fp8_linears,
     describe_compute,
@@ -173,7 +174,10 @@ class Trainer:
         self.resumed_from = self._resume(candidates, notes) if candidates else None
         self.compiled = compile_enabled(t.compile, env.device, t.strategy)
         if self.compiled:  # in place: the module tree and state-dict keys stay ([Note: compile scope])
-            compile_model(self.model, self.recipe if m.fp8 else None, t.compile_scope, t.compile_backend)
+            self.compile_scope = compile_scope_for(t.compile_scope, env.world_size)
+            compile_model(self.model, self.recipe if m.fp8 else None, self.compile_scope, t.compile_backend,
+                          t.compile_mode)
+        self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
@@ -279,6 +283,8 @@ class Trainer:
             # forward pre-hooks inside the compiled regions find nothing pending (a pending
             # gather there would be traced into the graph and recompile it region by region).
             self.opt.wait_param_sync()  # type: ignore[attr-defined]
+        if self.cuda_graphs:  # a new forward: the CUDA graphs may reuse the last one's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         stack = contextlib.ExitStack()
         if self.cfg.trainer.precision == "bf16-mixed":
             stack.enter_context(torch.autocast(self.env.device.type, dtype=torch.bfloat16))

@@ -321,6 +321,20 @@ def _pathconf(path: Path, name: str, default: int) -> int:
         return default
 
 
+def _compile(cfg: Config) -> None:
+    t = cfg.trainer
+    if t.compile_mode == "default":
+        return
+    on_gpu = t.accelerator == "gpu" or (t.accelerator == "auto" and torch.cuda.is_available())
+    if not on_gpu:
+        raise ConfigError(f"trainer.compile_mode={t.compile_mode} replays CUDA graphs and needs a GPU; "
+                          "set trainer.compile_mode=default on CPU")
+    if t.compile is False or t.strategy != "flat":
+        raise ConfigError(f"trainer.compile_mode={t.compile_mode} applies to a compiled flat-engine run; "
+                          "set trainer.compile=true (or auto) with trainer.strategy=flat, or "
+                          "trainer.compile_mode=default")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first problem found in ``cfg`` run on ``world_size`` ranks."""
     _finite(cfg)
@@ -332,6 +346,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _fp8(cfg)
     _optim(cfg)
     _strategy(cfg, world_size)
+    _compile(cfg)
     _data(cfg)
     _checkpoint(cfg)
     _run_dir(cfg)
