@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from fp8shard.train.config import ConfigError, load_config
 
@@ -39,3 +40,14 @@ def test_valid_fsdp2_configs():
     assert cfg.trainer.strategy == "fsdp2"
     with pytest.raises(ConfigError, match=r"trainer\.strategy"):
         load_config(["trainer.strategy=ddp"], world_size=2)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fully_shard_model_refuses_tiled_fp8_weights(recipe):
+    import fp8shard as fs
+    from fp8shard.optim.fsdp2 import fully_shard_model
+
+    with fs.fp8_model_init(recipe=recipe):
+        model = torch.nn.Sequential(fs.nn.Linear(16, 32))
+    with pytest.raises(ValueError, match=r"FSDP2 shards per-tensor FP8 weights only.*trainer.strategy=flat"):
+        fully_shard_model(model)

@@ -29,7 +29,9 @@ def sqnr_case(device: str, fp8_params: bool, recipe: object) -> dict[str, float]
     x = torch.randn(TOKENS, IN, generator=gen).to(device)
     dy = torch.randn(TOKENS, OUT, generator=gen).to(device)
     torch.manual_seed(1)
-    with fs.fp8_model_init(enabled=fp8_params, preserve_high_precision_init_val=True):
+    tiled = fp8_params and isinstance(recipe, (fs.RowwiseScaling, fs.BlockwiseScaling))
+    with fs.fp8_model_init(enabled=fp8_params, preserve_high_precision_init_val=True,
+                           recipe=recipe if tiled else None):
         layer = Linear(IN, OUT, device=device)
     w = layer.weight.get_high_precision_init_val() if fp8_params else layer.weight.detach()
     w64, x64, dy64 = w.to(device).double(), x.double(), dy.double()
@@ -76,7 +78,8 @@ def compile_case(device: str, recipe: object, fp8_params: bool) -> None:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        with fs.fp8_model_init(enabled=fp8_params):
+        tiled = fp8_params and isinstance(recipe, (fs.RowwiseScaling, fs.BlockwiseScaling))
+        with fs.fp8_model_init(enabled=fp8_params, recipe=recipe if tiled else None):
             return torch.nn.Sequential(
                 Linear(64, 128, device=device), torch.nn.ReLU(), Linear(128, 64, device=device)
             )

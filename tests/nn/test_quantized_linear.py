@@ -104,11 +104,15 @@ def test_tensorwise_quantizer_through_the_generic_function_is_todays_linear():
         assert torch.equal(a, c)
 
 
-def test_fp8_stored_weight_with_a_tiled_recipe_says_what_to_do():
-    with fs.fp8_model_init():
+@pytest.mark.parametrize(("stored", "computed"), [(None, "rowwise"), ("rowwise", "blockwise"),
+                                                 ("blockwise", "delayed"), ("rowwise", "current")])
+def test_fp8_stored_weight_of_another_recipe_says_what_to_do(stored, computed):
+    with fs.fp8_model_init(recipe=stored):
         layer = Linear(64, 32)
-    with fs.fp8_autocast(recipe="rowwise"), pytest.raises(
-            NotImplementedError, match=r"rowwise recipe with an FP8-stored weight.*model.fp8_params=false"):
+    with fs.fp8_autocast(recipe=computed), pytest.raises(
+            ValueError, match=rf"the {'tensorwise' if computed in ('delayed', 'current') else computed} "
+                              r"recipe "
+                              r"needs its FP8-stored weight.*fp8_model_init\(recipe=...\)"):
         layer(torch.randn(4, 64))
 
 
@@ -137,8 +141,30 @@ def test_no_grad_forward_and_frozen_weight():
     assert sqnr_db(torch.ones(8, 64) @ layer.weight.detach(), xg.grad) >= 25
 
 
+@pytest.mark.parametrize("fp8_params", [False, True], ids=["hp-weights", "fp8-weights"])
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
-def test_compile_matches_eager_cpu(recipe):
+def test_compile_matches_eager_cpu(recipe, fp8_params):
     """torch.compile of a model of tiled-recipe layers (Inductor once rejected the blockwise
-    scale expansion on CPU: the tile multiply now goes through a tiled view)."""
-    compile_case("cpu", TILED[recipe], False)
+    scale expansion on CPU: the tile multiply now goes through a tiled view); with weights
+    stored with the recipe's scales ([Note: tiled FP8 weights]) too."""
+    compile_case("cpu", TILED[recipe], fp8_params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_compile_matches_eager_with_stored_tiled_weights_cuda(recipe):
+    compile_case("cuda", TILED[recipe], True)
+
+
+@pytest.mark.parametrize("recipe", list(TILED))
+def test_stored_tiled_weights_sqnr_against_float64(recipe):
+    """Weights stored with the recipe's scales: the layer keeps the same accuracy."""
+    sqnr = sqnr_case("cpu", True, TILED[recipe])
+    assert sqnr["y"] >= 25 and sqnr["dx"] >= 22 and sqnr["dw"] >= 22, sqnr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(TILED))
+def test_stored_tiled_weights_sqnr_against_float64_cuda(recipe):
+    sqnr = sqnr_case("cuda", True, TILED[recipe])
+    assert sqnr["y"] >= 25 and sqnr["dx"] >= 22 and sqnr["dw"] >= 22, sqnr

@@ -39,10 +39,34 @@ def test_training_runs_a_few_steps_with_each_recipe(tmp_path, name):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.fp8_recipe=rowise"],
      "model.fp8_recipe: 'rowise' is not one of: delayed, current, tensorwise, rowwise, blockwise"),
-    (["model.fp8_recipe=rowwise"],
-     r"model.fp8_recipe=rowwise with model.fp8_params=true is not supported yet.*set model.fp8_params=false"),
-    (["model.fp8_recipe=blockwise"], r"model.fp8_recipe=blockwise with model.fp8_params=true"),
+    (["model.fp8_recipe=rowwise", "trainer.strategy=fsdp2"],
+     r"model.fp8_recipe=rowwise with model.fp8_params=true trains with the flat engine only.*"
+     r"set trainer.strategy=flat"),
+    (["model.fp8_recipe=blockwise", "trainer.strategy=fsdp2"],
+     r"model.fp8_recipe=blockwise with model.fp8_params=true trains with the flat engine only"),
 ])
 def test_bad_recipe_config_names_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides, world_size=1)
+        load_config(overrides, world_size=2)
+
+
+TILED_PARAMS = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
+                "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.val_check_interval=20",
+                "model.fp8=true", "model.fp8_params=true", "model.optim.sched.max_steps=6",
+                "checkpoint.every_n_steps=3"]
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_fp8_params_with_a_tiled_recipe_train_and_resume_on_two_ranks(tmp_path, name):
+    """model.fp8_params=true with rowwise/blockwise weights ([Note: tiled weight casts]): the loss
+    falls, and a run stopped at step 3 and resumed is the uninterrupted run."""
+    common = [*TILED_PARAMS, f"model.fp8_recipe={name}"]
+    run_train(tmp_path / "straight", [*common, "trainer.max_steps=6"], nproc=2)
+    straight = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight")]
+    assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(v) for _, v in straight) and straight[-1][1] < straight[0][1]
+    stopped = tmp_path / "stopped"
+    run_train(stopped, [*common, "trainer.max_steps=3"], nproc=2)
+    run_train(stopped, [*common, "trainer.max_steps=6", "trainer.resume=auto"], nproc=2)
+    assert read_summary(stopped)["resumed_from"].endswith("step_00000003")
+    assert [(r["step"], r["loss"]) for r in read_metrics(stopped)] == straight

@@ -191,6 +191,12 @@ def _check_model(model: Any, bad: _Bad, held: int) -> int:
         _check_dtype(e.get("dtype"), f"{where}.dtype", bad)
         if e.get("fp8") is not None and e.get("fp8") not in _FP8_FORMATS:
             raise bad(f"{where}.fp8", f"must be null or one of {list(_FP8_FORMATS)}", e.get("fp8"))
+        block = e.get("fp8_block")
+        if block is not None and not (e.get("fp8") and isinstance(block, list) and len(block) == 2
+                                      and len(e["shape"]) == 2 and all(
+                                          type(b) is int and 1 <= b <= 1 << 20 for b in block)):
+            raise bad(f"{where}.fp8_block", "must be null or [rows, cols] of a 2-D FP8 weight's tile, "
+                      "each an int in [1, 2**20]", block)
     return total
 
 

@@ -96,7 +96,7 @@ def optimizer_save_state(optimizer: torch.optim.Optimizer, names: list[str]
                 flat[f"{OPTIM}{name}/{k}"] = FlatPieces(numel, {int(e["offset"]): e[k] for e in pieces})
             params[name] = {"numel": numel, "fp8": i in ssd["fp8"]}
         for i, st in ssd["fp8"].items():
-            tensors[f"{OPTIM}{names[i]}/fp8_scale"] = st["scale"].reshape(())
+            tensors[f"{OPTIM}{names[i]}/fp8_scale"] = st["scale"]  # 0-d, or a rowwise/blockwise grid
             if "amax_history" in st:
                 tensors[f"{OPTIM}{names[i]}/fp8_amax_history"] = st["amax_history"]
                 params[names[i]]["amax_history_len"] = int(st["amax_history"].shape[0])
@@ -217,7 +217,7 @@ def _dfa_load(opt: ShardedAdam, names: list[str],
         if not saved[name]["fp8"]:
             continue  # a high-precision checkpoint into an FP8 weight: keep the scale from its bytes
         keys = {"scale": f"{OPTIM}{name}/fp8_scale"}
-        tensors[keys["scale"]] = torch.empty(())
+        tensors[keys["scale"]] = torch.empty(ssd["fp8"][i]["scale"].shape)
         if history_len is not None:
             want, have = history_len, saved[name].get("amax_history_len")
             if have != want:

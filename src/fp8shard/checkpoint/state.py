@@ -7,7 +7,9 @@
 
       model/<name>                       a high-precision parameter or buffer, as stored
       model/<name>:fp8_bytes             an FP8 weight's bytes as uint8, in the weight's shape
-      model/<name>:scale_inv             its fp32 0-d scale_inv (value = bytes x scale_inv)
+      model/<name>:scale_inv             its fp32 scale_inv (value = bytes x scale_inv): 0-d, or
+                                         the scale grid of a rowwise or blockwise weight, whose
+                                         manifest entry names its tile as ``fp8_block``
       optim/<name>/master|exp_avg|exp_avg_sq
                                          DistributedFusedAdam: 1-D over the flattened parameter,
                                          saved as the pieces each rank owns ([Note: flat pieces])
@@ -101,7 +103,9 @@ def model_save_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
         elif isinstance(t, Float8Tensor):
             entry["fp8"] = t.fp8_format.value
             tensors[MODEL + name + FP8_BYTES] = t.uint8_view()
-            tensors[MODEL + name + SCALE_INV] = t.scale_inv.reshape(())
+            tensors[MODEL + name + SCALE_INV] = t.scale_inv.reshape(scale_shape(entry["shape"], t.block))
+            if t.block is not None:
+                entry["fp8_block"] = list(t.block)
         else:
             tensors[MODEL + name] = t
         entries[name] = entry
@@ -140,11 +144,19 @@ def _copy_into_shard(param: torch.Tensor, value: torch.Tensor) -> None:
         local.copy_(value[start:start + rows])
 
 
+def scale_shape(shape: list[int], block: Any) -> list[int]:
+    """The shape of an FP8 weight's ``scale_inv``: [] for one scale, else its tile grid."""
+    if block is None:
+        return []
+    return [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
+
+
 def model_keys(name: str, entry: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
     """DCP keys of one manifest entry with the shape and dtype each must have."""
     if entry["fp8"]:
+        scales = scale_shape(entry["shape"], entry.get("fp8_block"))
         return {MODEL + name + FP8_BYTES: (entry["shape"], torch.uint8),
-                MODEL + name + SCALE_INV: ([], torch.float32)}
+                MODEL + name + SCALE_INV: (scales, torch.float32)}
     return {MODEL + name: (entry["shape"], parse_dtype(entry["dtype"]))}
 
 
@@ -196,8 +208,10 @@ def read_entry(name: str, entry: dict[str, Any], loaded: dict[str, torch.Tensor]
     if entry["fp8"]:
         fmt = Fp8Format.parse(entry["fp8"])
         data = loaded[MODEL + name + FP8_BYTES].view(fmt.torch_dtype)
-        return Float8Tensor(data, loaded[MODEL + name + SCALE_INV].reshape(()).float(), fmt,
-                            parse_dtype(entry["dtype"]))
+        block = entry.get("fp8_block")
+        scale_inv = loaded[MODEL + name + SCALE_INV].reshape(scale_shape(entry["shape"], block)).float()
+        return Float8Tensor(data, scale_inv, fmt, parse_dtype(entry["dtype"]),
+                            block=None if block is None else tuple(block))
     return loaded[MODEL + name]
 
 

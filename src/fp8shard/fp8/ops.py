@@ -97,9 +97,16 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
     aten.as_strided.default,
 ])
-def _view(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+def _view(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
-    return t._rewrap(func(t._data, *args[1:], **kwargs))
+    data = func(t._data, *args[1:], **kwargs)
+    if t._block is not None and not (func in _SAME_GRID and data.shape == t.shape):
+        return _fallback(func, args, kwargs)  # another scale grid: [Note: Float8Tensor]
+    return t._rewrap(data)
+
+
+_SAME_GRID = (aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
+              aten.squeeze.default)
 
 
 @implements([aten.clone.default])
@@ -118,7 +125,7 @@ def _to_copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         return func(t.dequantize(), dtype=dtype, **kwargs)
     data = func(t._data, **kwargs)
     scale_inv = func(t._scale_inv, **{k: v for k, v in kwargs.items() if k == "device"})
-    return Float8Tensor(data, scale_inv, t._fp8_format, dtype)
+    return Float8Tensor(data, scale_inv, t._fp8_format, dtype, block=t._block)
 
 
 @implements([aten.copy_.default])
@@ -129,8 +136,9 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     if is_slice(dst) and not (isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format
                               and torch.equal(src._scale_inv, dst._scale_inv)):
         _refuse_slice_write(dst, "copy_ of values with another scale")
-    if isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format:
-        # Bit-exact: the same bytes and the same scale.
+    if isinstance(src, Float8Tensor) and src._fp8_format is dst._fp8_format and src._block == dst._block \
+            and src.shape == dst.shape:
+        # Bit-exact: the same bytes and the same scale (or scale grid).
         dst._data.copy_(src._data)
         dst._scale_inv.copy_(src._scale_inv)
         dst._meta.bytes_changed()
@@ -164,8 +172,8 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     if not dtype.is_floating_point:
         return func(t.dequantize(), dtype=dtype, **kwargs)
     data = func(t._data, **kwargs)
-    scale_inv = torch.ones((), dtype=torch.float32, device=data.device)
-    return Float8Tensor(data, scale_inv, t._fp8_format, dtype)
+    scale_inv = torch.ones(t._scale_inv.shape, dtype=torch.float32, device=data.device)
+    return Float8Tensor(data, scale_inv, t._fp8_format, dtype, block=t._block)
 
 
 # ---------------------------------------------------------------------------- FSDP2 sharding
@@ -197,14 +205,18 @@ def _refuse_slice_write(t: Float8Tensor, what: str) -> None:
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
-def _split(func: Any, args: tuple, kwargs: dict) -> list[Float8Tensor]:
+def _split(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     t = args[0]
+    if t._block is not None:  # a slice of a scale grid: [Note: Float8Tensor]
+        return _fallback(func, args, kwargs)
     return [_mark_slice(t._rewrap(d)) for d in func(t._data, *args[1:], **kwargs)]
 
 
 @implements([aten.slice.Tensor])
-def _slice(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+def _slice(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
+    if t._block is not None:
+        return _fallback(func, args, kwargs)
     return _mark_slice(t._rewrap(func(t._data, *args[1:], **kwargs)))
 
 
@@ -214,7 +226,7 @@ def _new_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     created empty by FSDP2 carries the same scale as its neighbours."""
     t = args[0]
     dtype = kwargs.pop("dtype", None) or t.dtype
-    if not dtype.is_floating_point:
+    if not dtype.is_floating_point or t._block is not None:
         return func(t.dequantize(), *args[1:], dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
     data = func(t._data, *args[1:], **kwargs)

@@ -192,6 +192,39 @@ def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch
     return _untile(_tiles(x.float(), block) * s[:, None, :, None], x.shape)
 
 
+def tile_scales(stats: torch.Tensor, fmt: Fp8Format, power_of_2: bool = False) -> torch.Tensor:
+    """[Note: scale] per tile: ``fmt.max / amax``; a zero or non-finite amax takes scale 1."""
+    scale = scale_from_amax(stats, fmt.max)
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
+
+
+def cast_tiles(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 bytes of the 2-D ``x`` with one ``scale`` per ``block`` tile ([Note: scale])."""
+    x = x.detach()
+    if block[0] == 1 and scale.shape[1] == 1:
+        return cast_to_fp8(x, scale, fmt)  # [R, 1] scales broadcast over the rows
+    # tile by tile: [rb, br, cb, bc] bytes times [rb, 1, cb, 1] scales
+    return _untile(cast_to_fp8(_tiles(x, block), scale[:, None, :, None], fmt), x.shape)
+
+
+def quantize_tiles(x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int],
+                   power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling of the 2-D ``x`` per ``block`` tile: (FP8 bytes, fp32 ``scale_inv``)."""
+    scale = tile_scales(tile_amax(x, block), fmt, power_of_2)
+    return cast_tiles(x, scale, fmt, block), scale.reciprocal()
+
+
+def weight_block(recipe: Recipe | str, shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
+    """The tile one scale covers in a stored weight of ``shape`` under ``recipe`` (None: one
+    scale for the whole tensor): rowwise (1, cols), blockwise (n, n)."""
+    q = quantizer_for(recipe)
+    if isinstance(q, TensorwiseQuantizer):
+        return None
+    if len(shape) != 2:
+        raise ValueError(f"a {q.name} FP8 weight is 2-D [rows, cols], got shape {tuple(shape)}")
+    return q.block("weight", shape)
+
+
 class _TiledQuantizer:
     """Current scaling with one scale per tile; subclasses say the tile of each operand kind."""
 
@@ -213,16 +246,8 @@ class _TiledQuantizer:
     def cast(self, x: torch.Tensor, stats: torch.Tensor, fmt: Fp8Format, kind: OperandKind) -> Fp8Operand:
         fmt = Fp8Format.parse(fmt)
         block = self.block(_check_kind(kind), x.shape)
-        # [Note: scale] per tile: fmt.max / amax; a zero or non-finite amax takes scale 1.
-        scale = scale_from_amax(stats, fmt.max)
-        if self.power_of_2_scales:
-            scale = torch.exp2(torch.floor(torch.log2(scale)))
-        x = x.detach()
-        if block[0] == 1 and scale.shape[1] == 1:
-            data = cast_to_fp8(x, scale, fmt)  # [R, 1] scales broadcast over the rows
-        else:  # tile by tile: [rb, br, cb, bc] bytes times [rb, 1, cb, 1] scales
-            data = _untile(cast_to_fp8(_tiles(x, block), scale[:, None, :, None], fmt), x.shape)
-        return Fp8Operand(data, scale.reciprocal(), block)
+        scale = tile_scales(stats, fmt, self.power_of_2_scales)
+        return Fp8Operand(cast_tiles(x, scale, fmt, block), scale.reciprocal(), block)
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
                  cols: bool = False) -> tuple[Fp8Operand | None, Fp8Operand | None]:
@@ -420,6 +445,11 @@ def quantizer_for(recipe: Recipe | str) -> TensorwiseQuantizer | RowwiseQuantize
     return TensorwiseQuantizer()
 
 
+def weight_quantizer(block: tuple[int, int]) -> RowwiseQuantizer | BlockwiseQuantizer:
+    """The quantizer of a stored weight scaled per ``block`` tile (``Float8Tensor.block``)."""
+    return RowwiseQuantizer() if block[0] == 1 else BlockwiseQuantizer(block[0])
+
+
 def is_tiled(recipe: object) -> bool:
     """Whether ``recipe`` scales per tile (rowwise, blockwise) rather than per tensor."""
     return isinstance(recipe, (RowwiseScaling, BlockwiseScaling))
@@ -427,6 +457,6 @@ def is_tiled(recipe: object) -> bool:
 
 __all__ = [
     "BlockwiseQuantizer", "Fp8Operand", "OperandKind", "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer",
-    "TensorwiseQuantizer", "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe",
-    "quantizer_for", "tile_amax",
+    "TensorwiseQuantizer", "cast_tiles", "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe",
+    "quantize_tiles", "quantizer_for", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
 ]

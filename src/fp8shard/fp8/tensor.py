@@ -2,8 +2,16 @@
 
 [Note: Float8Tensor]
     A Float8Tensor holds ``_data`` (a ``torch.float8_*`` tensor, one byte per element) and
-    ``_scale_inv`` (fp32, 0-d); its value is ``_data.float() * _scale_inv`` in the nominal
-    ``dtype`` it reports (fp32, bf16 or fp16). Wrappers that share bytes (``detach``, views,
+    ``_scale_inv`` (fp32); its value is ``_data.float() * _scale_inv`` in the nominal ``dtype``
+    it reports (fp32, bf16 or fp16). ``_block`` says what one scale covers: None, one 0-d
+    scale for the whole tensor (per-tensor recipes); ``(1, cols)`` for a rowwise weight
+    (``_scale_inv`` [rows, 1]); ``(n, n)`` for a blockwise one ([ceil(rows/n), ceil(cols/n)]),
+    the scale of each tile multiplying its bytes ([Note: quantizer]). Such tiled weights are
+    2-D. The ops that keep a tiled tensor FP8 are those that keep its scale grid: ``detach``,
+    ``alias``, ``clone``, ``copy_``, ``.to()``, ``empty_like`` and views to its own shape;
+    transposes, reshapes to another shape, ``as_strided``, slices and ``new_zeros`` would
+    put bytes under another tile's scale, so they run on the dequantized value (plain tensor
+    out), like any op not listed. Wrappers that share bytes (``detach``, views,
     ``nn.Parameter``) share the same ``_scale_inv`` tensor and the same ``_Fp8Meta``, so a change
     of bytes or scale through one is seen by all. Op semantics live in ``fp8shard.fp8.ops``:
     view-like ops stay FP8, in-place ops dequantize -> apply -> re-quantize into the same bytes,
@@ -21,6 +29,7 @@ import torch
 from fp8shard.fp8.cast import cast_from_fp8
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
+from fp8shard.fp8.quantizer import mul_tiles, quantize_tiles, weight_block
 
 _NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -85,6 +94,7 @@ class Float8Tensor(torch.Tensor):
     _scale_inv: torch.Tensor
     _fp8_format: Fp8Format
     _meta: _Fp8Meta
+    _block: tuple[int, int] | None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -97,6 +107,7 @@ class Float8Tensor(torch.Tensor):
         dtype: torch.dtype,
         requires_grad: bool = False,
         meta: _Fp8Meta | None = None,
+        block: tuple[int, int] | None = None,
     ) -> Float8Tensor:
         # The wrapper's storage offset is always 0, whatever ``_data``'s: the bytes may be
         # re-pointed into a bucket buffer later (DistributedFusedAdam), and torch.compile
@@ -115,6 +126,7 @@ class Float8Tensor(torch.Tensor):
         self._scale_inv = scale_inv
         self._fp8_format = fp8_format
         self._meta = meta if meta is not None else _Fp8Meta()
+        self._block = None if block is None else (int(block[0]), int(block[1]))
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -127,10 +139,14 @@ class Float8Tensor(torch.Tensor):
         x: torch.Tensor,
         fp8_format: Fp8Format | str = Fp8Format.E4M3,
         scale: torch.Tensor | float | None = None,
+        recipe: object = None,
     ) -> Float8Tensor:
         """Quantize ``x``; with ``scale=None`` the scale comes from ``amax(x)`` (current scaling).
 
         The result reports ``x.dtype`` and ``x.shape`` and stores one byte per element.
+        ``recipe`` (a recipe or its name): rowwise or blockwise give the 2-D ``x`` one scale
+        per row or per block, from that tile's amax ([Note: Float8Tensor]); a per-tensor recipe
+        or None, one scale.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Float8Tensor.quantize takes a tensor, got {type(x).__name__}")
@@ -142,6 +158,13 @@ class Float8Tensor(torch.Tensor):
                 f"(float32, bfloat16 or float16), e.g. x.float()"
             )
         fmt = Fp8Format.parse(fp8_format)
+        block = None if recipe is None else weight_block(recipe, x.shape)
+        if block is not None:
+            if scale is not None:
+                raise ValueError("Float8Tensor.quantize: a rowwise or blockwise tensor takes its scales "
+                                 "from its tiles' amaxes; pass scale=None")
+            data, scale_inv = quantize_tiles(x, fmt, block)
+            return cls(data, scale_inv, fmt, x.dtype, block=block)
         # [Note: fused cast]: one Triton pass (two for current scaling) on CUDA, else eager.
         if scale is None:
             cast = quantize_current(x.detach(), fmt)
@@ -153,17 +176,24 @@ class Float8Tensor(torch.Tensor):
         """A wrapper of ``data`` with this tensor's scale (shared when ``share``)."""
         scale_inv = self._scale_inv if share else self._scale_inv.clone()
         meta = self._meta if share else None
-        return Float8Tensor(data, scale_inv, self._fp8_format, self.dtype, meta=meta)
+        return Float8Tensor(data, scale_inv, self._fp8_format, self.dtype, meta=meta, block=self._block)
 
     # ------------------------------------------------------------------ reading
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The value as a plain tensor of ``dtype`` (default: the nominal dtype)."""
+        if self._block is not None:
+            return mul_tiles(self._data, self._scale_inv.float(), self._block).to(dtype or self.dtype)
         return cast_from_fp8(self._data, self._scale_inv, dtype or self.dtype)
 
     @property
     def scale_inv(self) -> torch.Tensor:
-        """fp32 0-d tensor: value = fp8 bytes as float x scale_inv."""
+        """fp32: value = fp8 bytes as float x scale_inv; 0-d, or one per tile (``block``)."""
         return self._scale_inv
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The tile one scale covers, or None for one scale over the whole tensor."""
+        return self._block
 
     @property
     def scale(self) -> torch.Tensor:
@@ -222,7 +252,17 @@ class Float8Tensor(torch.Tensor):
         amax is zero or non-finite. A given ``scale`` (a number or a one-element tensor) must be
         finite and > 0, else ValueError and nothing changes; a CUDA tensor's value is not
         checked ([Note: scale checks]). The tensor object, its storage and its scale tensor stay.
+        A tiled tensor (rowwise, blockwise) takes every tile's scale from that tile's amax.
         """
+        if self._block is not None:
+            if scale is not None:
+                raise ValueError("quantize_ of a rowwise or blockwise Float8Tensor takes its scales from "
+                                 "its tiles' amaxes; pass scale=None")
+            data, scale_inv = quantize_tiles(x.reshape(self.shape), self._fp8_format, self._block)
+            self._data.copy_(data)
+            self._scale_inv.copy_(scale_inv)
+            self._meta.bytes_changed()
+            return self
         if scale is None:  # [Note: fused cast]
             cast = quantize_current(x, self._fp8_format, prev_scale_inv=self._scale_inv, out=self._data)
         else:  # refused before any byte changes ([Note: scale checks]; no host sync for CUDA scales)
@@ -255,6 +295,9 @@ class Float8Tensor(torch.Tensor):
             # [Note: compile] torch.compile formats its fake inputs (torch 2.11 does so while
             # compiling, logging or not): reading a value there fails the whole compilation.
             return head + ")"
+        if self._block is not None:
+            return (f"{head}, block={self._block}, scale_inv shape={tuple(self._scale_inv.shape)}, "
+                    f"value={self.dequantize()!r})")
         return f"{head}, scale_inv={self._scale_inv.item():.6g}, value={self.dequantize()!r})"
 
     def __deepcopy__(self, memo: dict) -> Float8Tensor:
@@ -262,11 +305,11 @@ class Float8Tensor(torch.Tensor):
             return memo[id(self)]
         new = Float8Tensor(
             self._data.clone(), self._scale_inv.clone(), self._fp8_format, self.dtype,
-            requires_grad=self.requires_grad,
+            requires_grad=self.requires_grad, block=self._block,
         )
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k not in ("_data", "_scale_inv", "_fp8_format", "_meta"):
+            if k not in ("_data", "_scale_inv", "_fp8_format", "_meta", "_block"):
                 setattr(new, k, copy.deepcopy(v, memo))
         return new
 
@@ -276,17 +319,18 @@ class Float8Tensor(torch.Tensor):
         # bytes travel as uint8: plain pickle of a float8 tensor fails in torch 2.13.
         return (
             _rebuild_float8_tensor,
-            (self.uint8_view(), self._scale_inv, self._fp8_format.value, self.dtype, self.requires_grad),
+            (self.uint8_view(), self._scale_inv, self._fp8_format.value, self.dtype, self.requires_grad,
+             self._block),
         )
 
     # torch.compile support: the inner tensors and the constant metadata.
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["_data", "_scale_inv"], (self._fp8_format, self.dtype)
+        return ["_data", "_scale_inv"], (self._fp8_format, self.dtype, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> Float8Tensor:
-        fmt, dtype = ctx
-        return Float8Tensor(inner["_data"], inner["_scale_inv"], fmt, dtype)
+        fmt, dtype, block = ctx
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], fmt, dtype, block=block)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -303,10 +347,12 @@ def _has_no_values(t: torch.Tensor) -> bool:
 
 
 def _rebuild_float8_tensor(
-    data: torch.Tensor, scale_inv: torch.Tensor, fmt_value: str, dtype: torch.dtype, requires_grad: bool
+    data: torch.Tensor, scale_inv: torch.Tensor, fmt_value: str, dtype: torch.dtype, requires_grad: bool,
+    block: tuple[int, int] | None = None,
 ) -> Float8Tensor:
     fmt = Fp8Format(fmt_value)
-    return Float8Tensor(data.view(fmt.torch_dtype), scale_inv, fmt, dtype, requires_grad=requires_grad)
+    return Float8Tensor(data.view(fmt.torch_dtype), scale_inv, fmt, dtype, requires_grad=requires_grad,
+                        block=block)
 
 
 torch.serialization.add_safe_globals([_rebuild_float8_tensor])

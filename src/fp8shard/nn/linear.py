@@ -192,13 +192,14 @@ class Linear(torch.nn.Linear):
         self._fp8_unscaled_since_update = False  # its first call ran since the last amax update
         self._preserve_hp_init = bool(init_state and init_state.preserve_high_precision_init_val)
         if init_state is not None:
-            self._store_weight_as_fp8()
+            self._store_weight_as_fp8(init_state.recipe)
 
     # ------------------------------------------------------------------ FP8 weight storage
-    def _store_weight_as_fp8(self) -> None:
-        """Replace the high-precision weight by an E4M3 Float8Tensor scaled from its amax."""
+    def _store_weight_as_fp8(self, recipe: object) -> None:
+        """Replace the high-precision weight by an E4M3 Float8Tensor scaled from its amax (per
+        row or block under a rowwise or blockwise ``recipe``)."""
         hp = self.weight.detach()
-        fp8 = Float8Tensor.quantize(hp, Fp8Format.E4M3)  # first scale from the init amax
+        fp8 = Float8Tensor.quantize(hp, Fp8Format.E4M3, recipe=recipe)  # first scales: the init amax
         # Parameter() wraps a detached alias, so the init value is attached to the parameter.
         self.weight = torch.nn.Parameter(fp8, requires_grad=self.weight.requires_grad)
         if self._preserve_hp_init and hp.device.type != "meta":
@@ -233,8 +234,10 @@ class Linear(torch.nn.Linear):
 
     def _forward_fp8(self, x: torch.Tensor, state: Fp8State) -> torch.Tensor:
         recipe = state.recipe if self.fp8_recipe is None else parse_recipe(self.fp8_recipe)
-        if is_tiled(recipe):  # rowwise, blockwise: through their quantizer
-            return quantized_linear(x, self.weight, self.bias, recipe)
+        weight = self.weight
+        if is_tiled(recipe) or (isinstance(weight, Float8Tensor) and weight.block is not None):
+            # rowwise, blockwise: through their quantizer (which checks a stored weight's tiles)
+            return quantized_linear(x, weight, self.bias, recipe)
         scales = history = None
         if isinstance(recipe, DelayedScaling):
             self._ensure_delayed_state(recipe)

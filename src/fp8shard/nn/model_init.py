@@ -20,6 +20,8 @@ class ModelInitState:
 
     enabled: bool
     preserve_high_precision_init_val: bool
+    recipe: object = None
+    """The weights' recipe: None or per-tensor, one scale; rowwise or blockwise, one per tile."""
 
 
 _stack: list[ModelInitState] = []
@@ -27,18 +29,24 @@ _stack: list[ModelInitState] = []
 
 @contextlib.contextmanager
 def fp8_model_init(
-    enabled: bool = True, preserve_high_precision_init_val: bool = False
+    enabled: bool = True, preserve_high_precision_init_val: bool = False, recipe: object = None,
 ) -> Iterator[None]:
     """Every ``fp8shard.nn.Linear`` built inside stores its weight as an E4M3 ``Float8Tensor``.
 
     One byte per weight element; the forward GEMM uses those bytes and their ``scale_inv``
-    directly. Norms, embeddings and biases stay in high precision.
+    directly. Norms, embeddings and biases stay in high precision. ``recipe`` (a recipe or its
+    name): ``rowwise`` / ``blockwise`` store one scale per row / per 128x128 block, for layers
+    computing under that recipe; None or a per-tensor recipe, one scale per weight.
     """
     for name, value in (("enabled", enabled),
                         ("preserve_high_precision_init_val", preserve_high_precision_init_val)):
         if not isinstance(value, bool):
             raise TypeError(f"fp8_model_init({name}=...) takes a bool, got {type(value).__name__}")
-    _stack.append(ModelInitState(enabled, preserve_high_precision_init_val))
+    if recipe is not None:
+        from fp8shard.fp8.quantizer import parse_recipe
+
+        recipe = parse_recipe(recipe)
+    _stack.append(ModelInitState(enabled, preserve_high_precision_init_val, recipe))
     try:
         yield
     finally:

@@ -11,6 +11,17 @@ One ``autograd.Function`` for every recipe a ``Quantizer`` describes; the operan
 keeps xᵀ and Wᵀ as FP8 bytes with their scales (1 byte per element plus one fp32 per tile),
 never the high-precision x. Activations and gradients are current-scaled.
 
+[Note: tiled FP8 weights]
+    A weight stored as a rowwise or blockwise ``Float8Tensor`` (``fp8_model_init(recipe=...)``,
+    ``model.fp8_params=true``) enters the forward GEMM as it is: its bytes and its scale grid,
+    no re-quantization. dgrad needs the operand Wᵀ, scaled along W's rows: a 128x128 block of
+    Wᵀ is the transpose of a block of W, so blockwise takes the cached transposed bytes
+    (``fp8_transpose()``) and the transposed scale grid, exactly; rowwise scales run along the
+    wrong axis for Wᵀ, so Wᵀ is re-quantized per row of Wᵀ (per column of W) from the
+    dequantized weight in the forward (one more rounding of a value already in FP8, for dgrad
+    only; the backward keeps those bytes, not the weight). The layer's recipe must match the
+    weight's: a per-tensor weight under a tiled recipe, or the other way, is refused.
+
 Today rowwise and blockwise recipes run here; per-tensor current and delayed scaling run in
 ``nn/linear.py``'s ``_Fp8LinearFn`` (delayed scaling keeps per-layer amax state there).
 ``TensorwiseQuantizer`` through this function gives the same bytes and results as that path
@@ -22,7 +33,14 @@ from __future__ import annotations
 import torch
 
 from fp8shard.fp8.formats import Fp8Format
-from fp8shard.fp8.quantizer import Fp8Operand, Quantizer, TensorwiseQuantizer, parse_recipe, quantizer_for
+from fp8shard.fp8.quantizer import (
+    Fp8Operand,
+    Quantizer,
+    RowwiseQuantizer,
+    TensorwiseQuantizer,
+    parse_recipe,
+    quantizer_for,
+)
 from fp8shard.fp8.scaling import Recipe
 from fp8shard.fp8.tensor import Float8Tensor
 
@@ -42,10 +60,17 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_op, xt_op = quantizer.quantize(x2d, fwd_fmt, "activation", rows=True, cols=need_wgrad)
         ctx.fp8_weight = None
         if isinstance(weight, Float8Tensor):
-            _check_fp8_weight(quantizer)
-            # A stored FP8 weight is its own per-tensor operand ([Note: weight scaling]).
-            w_op, wt_op = Fp8Operand(weight._data, weight._scale_inv, None), None
-            ctx.fp8_weight = weight if need_dgrad else None
+            _check_fp8_weight(quantizer, weight)
+            # A stored FP8 weight is its own operand ([Note: tiled FP8 weights]).
+            w_op, wt_op = Fp8Operand(weight._data, weight._scale_inv, weight.block), None
+            if need_dgrad and isinstance(quantizer, RowwiseQuantizer):
+                _, wt_op = quantizer.quantize(weight.dequantize(torch.float32), fwd_fmt, "weight",
+                                              rows=False, cols=True)
+            elif need_dgrad and torch.compiler.is_compiling():
+                # [Note: compile] No Python transpose cache in a graph: Wᵀ traced from the bytes.
+                wt_op = _transposed(weight._data.t().contiguous(), weight)
+            elif need_dgrad:
+                ctx.fp8_weight = weight
         else:
             w_op, wt_op = quantizer.quantize(weight, fwd_fmt, "weight", rows=True, cols=need_dgrad)
         assert x_op is not None and w_op is not None
@@ -67,8 +92,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         dy_op, dyt_op = q.quantize(dy2d, ctx.bwd_fmt, "activation", rows=need_dgrad, cols=need_wgrad)
         dx = dw = db = None
         if need_dgrad:
-            if ctx.fp8_weight is not None:
-                wt_op = Fp8Operand(ctx.fp8_weight.fp8_transpose(), ctx.fp8_weight._scale_inv, None)
+            if ctx.fp8_weight is not None:  # per tensor, or blockwise: the cached transposed bytes
+                wt_op = _transposed(ctx.fp8_weight.fp8_transpose(), ctx.fp8_weight)
             else:
                 wt_op = Fp8Operand(wt_data, wt_scale_inv, ctx.wt_block)
             dx = q.gemm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape)  # type: ignore[arg-type]
@@ -82,14 +107,20 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _check_fp8_weight(quantizer: Quantizer) -> None:
-    if not isinstance(quantizer, TensorwiseQuantizer):
-        raise NotImplementedError(
-            f"fs.nn.Linear: the {quantizer.name} recipe with an FP8-stored weight (fp8_model_init, "
-            "model.fp8_params=true) is not supported yet: the stored Float8Tensor carries one "
-            f"per-tensor scale, not {quantizer.name} scales. Build the model without "
-            "fp8_model_init (training command: model.fp8_params=false), or use a per-tensor "
-            "recipe (delayed, current)")
+def _transposed(data_t: torch.Tensor, w: Float8Tensor) -> Fp8Operand:
+    """Wᵀ of a per-tensor or blockwise stored weight: its transposed bytes and scale grid."""
+    return Fp8Operand(data_t, w._scale_inv if w.block is None else w._scale_inv.t().contiguous(), w.block)
+
+
+def _check_fp8_weight(quantizer: Quantizer, weight: Float8Tensor) -> None:
+    want = None if isinstance(quantizer, TensorwiseQuantizer) else quantizer.block("weight", weight.shape)
+    if weight.block != want:
+        have = "per-tensor" if weight.block is None else f"{weight.block} tiles"
+        raise ValueError(
+            f"fs.nn.Linear: the {quantizer.name} recipe needs its FP8-stored weight scaled "
+            f"{'per tensor' if want is None else f'in {want} tiles'}, this one has {have} scales "
+            "([Note: tiled FP8 weights]); build the model inside fp8_model_init(recipe=...) with "
+            "the recipe it computes under (training command: the same model.fp8_recipe)")
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -28,6 +28,15 @@ def storage_dtype(p: torch.Tensor) -> torch.dtype:
     return p._data.dtype if isinstance(p, Float8Tensor) else p.dtype
 
 
+def shard_unit(p: torch.Tensor) -> int:
+    """Elements of ``p`` no shard boundary may cut ([Note: shard layout]): a row of a rowwise
+    FP8 weight, a band of ``n`` rows of a blockwise one (all of it when shorter), else 1."""
+    if not isinstance(p, Float8Tensor) or p.block is None:
+        return 1
+    rows, cols = p.shape
+    return max(1, min(p.block[0], rows) * cols)
+
+
 class RegionBuffers:
     """Buffers of one region for one rank; see [Note: bucket buffers]."""
 

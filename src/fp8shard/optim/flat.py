@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fp8shard._triton import use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
-from fp8shard.optim.buffers import RegionBuffers, storage_dtype
+from fp8shard.optim.buffers import RegionBuffers, shard_unit, storage_dtype
 from fp8shard.optim.collectives import CommCounter, Group, Handle
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
 from fp8shard.optim.fused_step import FusedKernel
@@ -241,10 +241,10 @@ class FlatEngine:
         self.grad_sync = GradSync(self.regions, params_by_index, self.group, overlap_grad_sync)
         self.param_sync = ParamSync(self.regions, self.group, self._on_params_ready)
         if step_kernel == "auto":  # [Note: step kernel], once
-            step_kernel = "fused" if fused and use_triton(self.regions[0].master) else "reference"
+            fused = fused and not self.fp8.tiled and use_triton(self.regions[0].master)
+            step_kernel = "fused" if fused else "reference"  # tiled FP8 weights: [Note: tiled weight casts]
         self.kernel: StepKernel = (FusedKernel(self.regions, group_of, self.fp8) if step_kernel == "fused"
                                    else FlatReferenceKernel(self.regions, group_of, num_groups, self.fp8))
-        self._ready_slots: dict[tuple[int, ...], torch.Tensor] = {}  # _on_params_ready's indices
 
     def _init_master_and_attach(self) -> None:
         hp: dict[int, torch.Tensor] = {}
@@ -296,20 +296,9 @@ class FlatEngine:
         self.param_sync.wait_all()
 
     def _on_params_ready(self, indices: list[int]) -> None:
-        fp8 = [i for i in indices if isinstance(self.params[i], Float8Tensor)]
-        if not fp8:
-            return
-        # One batched copy for all of them (a launch per parameter would cost host time).
-        key = tuple(fp8)
-        slots = self._ready_slots.get(key)
-        if slots is None:
-            slots = self._ready_slots[key] = torch.tensor(
-                [self.fp8.slot[i] for i in fp8], device=self._new_scale_inv.device)
-        new = self._new_scale_inv.index_select(0, slots)
-        dst = [self.params[i]._scale_inv for i in fp8]
-        torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new.unbind(0), dst, strict=True)])
-        for i in fp8:
-            self.params[i].mark_bytes_changed()  # drops the cached transpose (TE 1596)
+        fp8 = {i: self.params[i] for i in indices if isinstance(self.params[i], Float8Tensor)}
+        if fp8:  # one batched copy for all of them (a launch per parameter would cost host time)
+            self.fp8.set_scale_inv(fp8, self._new_scale_inv)
 
     def reset_grads(self) -> None:
         if self.grad_sync.dirty or self.grad_sync.handles:
@@ -356,7 +345,7 @@ def _build_regions(params: list[torch.Tensor], group: Group, device: torch.devic
         raise ValueError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
     # Backward visits parameters roughly in reverse registration order: [Note: shard layout].
     order = reversed(list(enumerate(params)))
-    specs = [ParamSpec(i, p.numel(), storage_dtype(p)) for i, p in order]
+    specs = [ParamSpec(i, p.numel(), storage_dtype(p), shard_unit(p)) for i, p in order]
     elem = torch.empty(0, dtype=grad_dtype).element_size()
     layouts = build_layout(specs, group.world_size, int(bucket_cap_mb * 2**20 / elem), alignment)
     return [RegionBuffers(lay, group.rank, device, grad_dtype, state_dtype) for lay in layouts]

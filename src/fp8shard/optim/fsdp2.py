@@ -78,6 +78,9 @@ def fully_shard_model(model: nn.Module, mesh: Any = None, *, reshard_after_forwa
     init value a weight preserved (``fp8_model_init``) is cut to this rank's rows, so
     ``FSDP2Adam`` starts its master from it as ``DistributedFusedAdam`` does. Returns ``model``.
     """
+    if any(isinstance(p, Float8Tensor) and p.block is not None for p in model.parameters()):
+        raise ValueError("FSDP2 shards per-tensor FP8 weights only; these are rowwise or blockwise: "
+                         "train them with DistributedFusedAdam (trainer.strategy=flat)")
     mesh = default_mesh() if mesh is None else mesh
     hp_init = {n: p.get_high_precision_init_val() for n, p in model.named_parameters()
                if isinstance(p, Float8Tensor)}

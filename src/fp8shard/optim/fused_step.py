@@ -446,6 +446,9 @@ class FusedKernel:
 
     def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
                  scaler: Fp8WeightScaler, block: int = DEFAULT_BLOCK) -> None:
+        if scaler.tiled:
+            raise ValueError("step_kernel='fused' casts per-tensor FP8 weights only; these are rowwise or "
+                             "blockwise ([Note: tiled weight casts]): use step_kernel='reference' or 'auto'")
         self.regions = list(regions)
         self.fp8 = scaler
         self.device = self.regions[0].master.device

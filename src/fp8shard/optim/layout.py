@@ -9,6 +9,13 @@
     shards and buckets: it stays one contiguous view of the region's buffer, while the optimizer
     sees it as one or more *pieces* (a parameter x shard intersection).
 
+    A parameter with a ``unit`` > 1 (an FP8 weight scaled per row or per 128x128 block: a row,
+    or a band of 128 rows, [Note: Float8Tensor]) must not be cut inside a unit, so that every
+    rank casts whole tiles from its own master ([Note: tiled weight casts]). Such parameters get
+    regions of their own, one per (key, unit), whose alignment is ``lcm(alignment, unit)``: each
+    parameter starts on it, so its units do, and so does every shard boundary. A parameter
+    shorter than its unit (fewer than 128 rows) gets ``unit = numel`` and lies in one shard.
+
 Everything here is plain dataclasses so it can be tested without a process group
 (tests/optim/test_layout.py) and reasoned about on paper.
 """
@@ -16,6 +23,7 @@ Everything here is plain dataclasses so it can be tested without a process group
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 
 
@@ -28,6 +36,8 @@ class ParamSpec:
     numel: int
     region_key: Hashable
     """Parameters with equal keys share buffers (the storage dtype, e.g. ``torch.float8_e4m3fn``)."""
+    unit: int = 1
+    """Elements no shard boundary may cut (a row or a 128-row band of a tiled FP8 weight)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +98,8 @@ class RegionLayout:
     params: tuple[ParamRange, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
+    unit: int = 1
+    """The unit of its parameters; shard boundaries fall on multiples of it."""
 
     @property
     def numel(self) -> int:
@@ -149,24 +161,28 @@ def build_layout(
     """Regions in order of first appearance in ``specs`` (which should be backward order).
 
     ``bucket_numel`` is rounded down to a multiple of ``world_size * alignment`` (at least one
-    such multiple) so that every shard starts aligned.
+    such multiple; ``lcm(alignment, unit)`` for parameters with a unit) so that every shard
+    starts aligned.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment}")
-    quantum = world_size * alignment
-    cap = max(quantum, bucket_numel // quantum * quantum)
-    by_key: dict[Hashable, list[ParamSpec]] = {}
+    by_key: dict[tuple[Hashable, int], list[ParamSpec]] = {}
     for s in specs:
         if s.numel < 0:
             raise ValueError(f"parameter {s.index} has negative numel {s.numel}")
-        by_key.setdefault(s.region_key, []).append(s)
+        if s.unit < 1:
+            raise ValueError(f"parameter {s.index} has unit {s.unit}; a unit is >= 1 element")
+        by_key.setdefault((s.region_key, s.unit), []).append(s)
     regions = []
-    for key, members in by_key.items():
+    for (key, unit), members in by_key.items():
+        align = math.lcm(alignment, unit)  # units, and so shard boundaries, on multiples of it
+        quantum = world_size * align
+        cap = max(quantum, bucket_numel // quantum * quantum)
         ranges, cursor = [], 0
         for s in members:
-            cursor = _round_up(cursor, alignment)
+            cursor = _round_up(cursor, align)
             ranges.append(ParamRange(s.index, cursor, s.numel))
             cursor += s.numel
         total = _round_up(max(cursor, 1), quantum)
@@ -175,5 +191,5 @@ def build_layout(
             end = min(start + cap, total)
             buckets.append(Bucket(len(buckets), start, end, world_size))
             start = end
-        regions.append(RegionLayout(key, tuple(ranges), tuple(buckets), world_size))
+        regions.append(RegionLayout(key, tuple(ranges), tuple(buckets), world_size, unit))
     return regions

@@ -130,7 +130,8 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
         for p in hp.parameters():
             p.data = p.data.to(dtype)
         return hp
-    with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True), \
+    recipe = cfg.model.fp8_recipe if cfg.model.fp8_recipe in ("rowwise", "blockwise") else None
+    with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True, recipe=recipe), \
             torch.device("meta"), _default_dtype(dtype):
         model = GPT(gcfg)  # shapes only; the projection weights are Float8Tensors
     model.to_empty(device=device)  # allocate

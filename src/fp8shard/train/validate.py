@@ -152,10 +152,10 @@ def _fp8(cfg: Config) -> None:
     if m.fp8_params and not m.fp8:
         raise ConfigError("model.fp8_params=true needs model.fp8=true (FP8 weights are only used by "
                           "FP8 GEMMs); set model.fp8=true or model.fp8_params=false")
-    if m.fp8_params and m.fp8_recipe in ("rowwise", "blockwise"):
-        raise ConfigError(f"model.fp8_recipe={m.fp8_recipe} with model.fp8_params=true is not supported yet "
-                          f"(FP8-stored weights carry one per-tensor scale, not {m.fp8_recipe} scales); set "
-                          "model.fp8_params=false, or use model.fp8_recipe=delayed|current|tensorwise")
+    if m.fp8_params and m.fp8_recipe in ("rowwise", "blockwise") and cfg.trainer.strategy == "fsdp2":
+        raise ConfigError(f"model.fp8_recipe={m.fp8_recipe} with model.fp8_params=true trains with the flat "
+                          f"engine only (FSDP2 gathers per-tensor FP8 weights); set trainer.strategy=flat, "
+                          "or model.fp8_params=false, or model.fp8_recipe=delayed|current|tensorwise")
     if m.fp8_params and m.optim.name != "distributed_fused_adam":
         raise ConfigError("model.fp8_params=true needs model.optim.name=distributed_fused_adam (it keeps "
                           "the FP32 master weights); valid with adamw: model.fp8_params=false")

@@ -1,0 +1,89 @@
+"""Rowwise and blockwise FP8 weights in DistributedFusedAdam ([Note: tiled weight casts]):
+shards on row / 128-row band boundaries, the cast through the recipe's quantizer, and parity
+with a quantized reference master for every recipe, at 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fp8shard as fs
+from fp8shard.optim import DistributedFusedAdam
+from fp8shard.optim.layout import ParamSpec, build_layout
+from fp8shard.optim.step_kernel import FlatReferenceKernel
+from tests.optim import tiled_cases as tc
+
+RECIPES = ["delayed", "current", "rowwise", "blockwise"]
+
+
+def test_shard_boundaries_fall_on_unit_boundaries():
+    rng = random.Random(0)
+    for _ in range(200):
+        specs = []
+        for i in range(rng.randint(1, 6)):
+            rows, cols = rng.randint(1, 300), rng.randint(1, 40)
+            unit = rng.choice([1, cols, min(128, rows) * cols])
+            specs.append(ParamSpec(i, rows * cols, "fp8", unit))
+        world = rng.randint(1, 5)
+        for region in build_layout(specs, world, rng.randint(1, 4000), rng.choice([1, 16])):
+            unit = region.unit
+            for p in region.params:
+                for b in region.buckets:  # no shard boundary strictly inside one of p's units
+                    for r in range(world + 1):
+                        cut = b.start + r * b.shard_numel
+                        inside = p.start < cut < p.end
+                        assert not inside or (cut - p.start) % unit == 0, (p, b, unit)
+            for rank in range(world):
+                for pc in region.pieces(rank):
+                    assert pc.param_offset % unit == 0
+
+
+def test_each_weight_unit_gets_its_region():
+    specs = [ParamSpec(0, 6000, "fp8", 200), ParamSpec(1, 60, "fp8"), ParamSpec(2, 4000, "fp8", 200)]
+    regions = build_layout(specs, world_size=3, bucket_numel=10_000, alignment=16)
+    assert [(r.key, r.unit, [p.index for p in r.params]) for r in regions] == [
+        ("fp8", 200, [0, 2]), ("fp8", 1, [1])]
+    tiled = regions[0]
+    assert all(p.start % 400 == 0 for p in tiled.params)  # lcm(16, 200)
+    assert all(b.shard_numel % 400 == 0 for b in tiled.buckets)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_step_equals_quantizing_the_reference_master(recipe):
+    res = tc.one_step_against_reference(recipe, bucket_cap_mb=0.05)
+    assert res["equal"] and all(res["equal"].values()), res["equal"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_ranks_equal_quantizing_the_reference_master(recipe, dist_pools):
+    for res in dist_pools(2).run(tc.one_step_against_reference, recipe, 0.05):
+        assert all(res["equal"].values()), res["equal"]
+        if recipe in ("rowwise", "blockwise"):
+            assert res["kernel"] == "FlatReferenceKernel"  # [Note: tiled weight casts]
+
+
+def test_tiled_weights_refuse_the_fused_step_and_delayed_weight_scaling():
+    model = tc.build("blockwise")
+    with pytest.raises(ValueError, match=r"step_kernel='fused' casts per-tensor FP8 weights only.*"
+                                         r"use step_kernel='reference' or 'auto'"):
+        DistributedFusedAdam(model.parameters(), step_kernel="fused")
+    model = tc.build("rowwise")
+    with pytest.raises(ValueError, match=r"fp8_weight_scaling='delayed' is per-tensor only.*'current'"):
+        DistributedFusedAdam(model.parameters(), fp8_weight_scaling="delayed")
+    assert isinstance(DistributedFusedAdam(model.parameters()).engine.kernel, FlatReferenceKernel)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_scales_are_set_with_the_gathered_bytes_and_saved_as_grids(recipe):
+    model = tc.build(recipe)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.05)
+    with fs.fp8_autocast(recipe=recipe):
+        model(torch.randn(4, tc.SHAPES[0][1])).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    for i, p in enumerate(model.parameters()):
+        if isinstance(p, fs.Float8Tensor):
+            scale = sd["state"][i]["fp8"]["scale"]
+            assert scale.shape == p.scale_inv.shape and torch.equal(scale.reciprocal(), p.scale_inv)
