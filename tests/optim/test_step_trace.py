@@ -5,13 +5,13 @@ orchestration on the CPU (``step_kernel="fused"``: its PyTorch reference ops sta
 Triton kernels), traced with ``sys.setprofile``: every Python function called is attributed to
 its file. Before the step kernel ([Note: step kernel]) the same step ran code in 13 files of
 src/fp8shard (242 calls); with the step kernel 10 (about 180 calls); with the engine interface
-([Note: engine]: core.py + flat.py for distributed_fused_adam.py + hooks.py, and the reference
-Adam op beside the kernel's other reference ops in fused_step.py) 9. On the GPU the reference ops
-(``adam_``, fp8/cast.py) give way to optim/triton_adam.py.
+([Note: engine]: core.py + flat.py for distributed_fused_adam.py + hooks.py, the reference Adam
+op beside the kernel's other reference ops in fused_step.py) 9; with the FP8 formats' max and
+dtype plain attributes and each region's format resolved when it is built, 8. On the GPU the
+reference ops (``adam_``, fp8/cast.py) give way to optim/triton_adam.py.
 
-One step of ``FSDP2Adam`` (2 ranks, gloo) through the same core on the FSDP2 engine: 9 files, as
-before the engine interface (core.py and the counted collectives.py where FSDP2Adam called
-distributed_fused_adam.py's checks and torch.distributed itself).
+One step of ``FSDP2Adam`` (2 ranks, gloo) through the same core on the FSDP2 engine: 8 files (9
+before the formats became constants).
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ EXPECTED = {
     "optim/collectives.py",  # the collectives (and their byte counts)
     "optim/fused_step.py",  # the step kernel: tile tables, kernel 1 and 2, and their reference ops
     "fp8/cast.py",  # kernel 2's reference op
-    "fp8/formats.py",  # the FP8 format of a region (its max, its dtype)
     "optim/fp8_weights.py",  # the scales from the global amax
     "fp8/scaling.py",  # the scale convention ([Note: scale])
     "fp8/tensor.py",  # the new scale_inv lands on the weight; its transpose cache is dropped
 }
-MAX_FILES = 9  # 13 before the step kernel, 10 before the engine interface
+MAX_FILES = 8  # 13 before the step kernel, 10 before the engine interface, 9 before formats as constants
 
 EXPECTED_FSDP2 = {
     "optim/core.py",  # step(): the three phases
@@ -50,12 +49,11 @@ EXPECTED_FSDP2 = {
     "optim/fused_step.py",  # the reference kernel and its Adam op (adam_)
     "optim/collectives.py",  # the two all-reduces (and their byte counts)
     "fp8/cast.py",  # the cast into the local bytes
-    "fp8/formats.py",  # the FP8 format's max and dtype
     "optim/fp8_weights.py",  # the scales from the global amax
     "fp8/scaling.py",  # the scale convention ([Note: scale])
     "fp8/tensor.py",  # the new scale_inv lands on the local shard
 }
-MAX_FILES_FSDP2 = 9  # 9 before the engine interface too (then fsdp2.py called dist itself)
+MAX_FILES_FSDP2 = 8  # 9 before the formats became constants (then fsdp2.py called dist itself)
 
 dist_pools = pools_fixture("gloo")
 

@@ -17,13 +17,10 @@ class Fp8Format(enum.Enum):
     E4M3 = "e4m3"
     E5M2 = "e5m2"
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPE[self]
-
-    @property
-    def max(self) -> float:
-        return _MAX[self]
+    # Plain attributes of each member (set below), not properties: reading them is no call on
+    # the hot paths (the optimizer step, every cast).
+    torch_dtype: torch.dtype
+    max: float
 
     @classmethod
     def parse(cls, fmt: object) -> Fp8Format:
@@ -42,8 +39,7 @@ class Fp8Format(enum.Enum):
         raise ValueError(f"unknown FP8 format {fmt!r}; choose one of {choices}")
 
 
-_TORCH_DTYPE = {
-    Fp8Format.E4M3: torch.float8_e4m3fn,
-    Fp8Format.E5M2: torch.float8_e5m2,
-}
-_MAX = {f: float(torch.finfo(d).max) for f, d in _TORCH_DTYPE.items()}
+for _fmt, _dtype in ((Fp8Format.E4M3, torch.float8_e4m3fn), (Fp8Format.E5M2, torch.float8_e5m2)):
+    _fmt.torch_dtype = _dtype
+    _fmt.max = float(torch.finfo(_dtype).max)
+del _fmt, _dtype

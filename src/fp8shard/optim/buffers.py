@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8shard.fp8 import Float8Tensor
+from fp8shard.fp8 import Float8Tensor, Fp8Format
 from fp8shard.optim.layout import RegionLayout, ShardPiece
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -46,6 +46,7 @@ class RegionBuffers:
         self.rank = rank
         self.dtype: torch.dtype = layout.key  # type: ignore[assignment]
         self.is_fp8 = self.dtype in FP8_DTYPES
+        self.fmt: Fp8Format | None = Fp8Format.parse(self.dtype) if self.is_fp8 else None  # once
         buf_dtype = torch.uint8 if self.is_fp8 else self.dtype
         self.param_buffer = torch.zeros(layout.numel, dtype=buf_dtype, device=device)
         self.grad_buffer = torch.zeros(layout.numel, dtype=grad_dtype, device=device)

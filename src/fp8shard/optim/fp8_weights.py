@@ -172,7 +172,7 @@ class Fp8WeightScaler:
         piece_scales = scales[self._slots(rb)]
         for k, pc in enumerate(rb.pieces):
             per_elem[pc.local_offset:pc.local_offset + pc.numel] = piece_scales[k]
-        fmt = Fp8Format.parse(rb.dtype)
+        fmt = rb.fmt
         for b in rb.layout.buckets:  # straight into this rank's shard of the bucket's bytes
             cast_to_fp8(rb.local(rb.master, b.index), rb.local(per_elem, b.index), fmt,
                         out=rb.shard(rb.param_buffer, b.index))

@@ -361,7 +361,7 @@ def adam_tiles_(
     if use_triton(rb.master) if triton is None else triton:
         from fp8shard.optim import triton_adam
 
-        fmt = Fp8Format.parse(rb.dtype) if rb.is_fp8 else None
+        fmt = rb.fmt
         for g, t0, t1 in table.group_ranges:
             triton_adam.launch_adam(
                 rb.master, rb.exp_avg, rb.exp_avg_sq, rb.grad_buffer, rb.param_buffer, table, t0, t1,
@@ -378,7 +378,8 @@ def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton
         raise ValueError("cast_tiles_ is for FP8 regions")
     if table.num_tiles == 0:
         return
-    fmt = Fp8Format.parse(rb.dtype)
+    fmt = rb.fmt
+    assert fmt is not None
     if use_triton(rb.master) if triton is None else triton:
         from fp8shard.optim import triton_adam
 
@@ -422,7 +423,7 @@ def _adam_reference(rb: RegionBuffers, table: TileTable, scalars: Sequence[AdamS
         partial_amax.copy_(torch.stack(torch._foreach_norm(views, float("inf"))).float())
     if out_mode == OUT_AMAX_CAST:
         assert scale is not None
-        _cast_reference(rb, table, scale, Fp8Format.parse(rb.dtype))
+        _cast_reference(rb, table, scale, rb.fmt)
     elif out_mode == OUT_PARAM:
         for a, b, n, _ in table.spans():
             rb.param_buffer[b:b + n].copy_(rb.master[a:a + n])
