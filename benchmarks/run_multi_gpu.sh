@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The several-GPU checks of issue 10, for a device kind with 2-8 H200s, in one call:
 #   run(kind="nvidia-h200-x4", command="bash benchmarks/run_multi_gpu.sh all")
-# PART: tests | comm | resume | all. Logs and JSON land in $OUT (or ./multi_gpu_out).
+# PART: tests | comm | resume | fsdp2 | all. Logs and JSON land in $OUT (or ./multi_gpu_out).
 # Not yet run: no kind with several GPUs has been lent (the CPU twins of each part run in CI:
 # gloo DistPool tests, tests/bench/test_bench_collectives.py, tests/checkpoint resharding).
 set -uo pipefail
@@ -19,7 +19,7 @@ echo "GPUs: $ngpu"
 if [ "$part" = tests ] || [ "$part" = all ]; then
   # The multi-process suites: DistPool picks NCCL (one GPU per rank) for every world size up to
   # the GPU count, gloo above it.
-  run $py -m pytest -p no:cacheprovider -q tests/optim tests/checkpoint tests/fp8/test_collectives.py \
+  run $py -m pytest -p no:cacheprovider -q tests/optim tests/checkpoint tests/fp8/test_collectives.py tests/fsdp2 \
     2>&1 | tee "$OUT/pytest_multi_gpu.log" | tail -15
 fi
 if [ "$part" = comm ] || [ "$part" = all ]; then
@@ -41,4 +41,20 @@ if [ "$part" = resume ] || [ "$part" = all ]; then
     trainer.accelerator=gpu trainer.max_steps=40 2>&1 | grep -E "resumed|error|final" | head -5
   run $py -m torch.distributed.run --standalone --nproc-per-node 2 -m fp8shard.train $common \
     trainer.accelerator=cpu trainer.max_steps=41 2>&1 | grep -E "resumed|error|final" | head -5
+fi
+if [ "$part" = fsdp2 ] || [ "$part" = all ]; then
+  # The FSDP2 engine against the flat engine on NCCL (one GPU per rank): losses, gathered bytes
+  # per FP8 weight, persistent memory, step time; HSDP (2 replicas) where there are 4+ GPUs.
+  run $py -m torch.distributed.run --standalone --nproc-per-node "$ngpu" benchmarks/bench_fsdp2.py \
+    --out "$OUT/bench_fsdp2_ws$ngpu.json" 2>&1 | tail -12
+  if [ "$ngpu" -ge 4 ]; then
+    run $py -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/bench_fsdp2.py --replicate 2 \
+      --out "$OUT/bench_fsdp2_hsdp.json" 2>&1 | tail -12
+  fi
+  # The training command on FSDP2 at every GPU, resumed on the flat engine at 2.
+  common="config=gpt_125m exp_manager.exp_dir=$OUT/runs exp_manager.name=fsdp2 checkpoint.every_n_steps=20"
+  run $py -m torch.distributed.run --standalone --nproc-per-node "$ngpu" -m fp8shard.train $common \
+    trainer.accelerator=gpu trainer.strategy=fsdp2 trainer.max_steps=20 2>&1 | tail -4
+  run $py -m torch.distributed.run --standalone --nproc-per-node 2 -m fp8shard.train $common \
+    trainer.accelerator=gpu trainer.max_steps=40 2>&1 | grep -E "resumed|error|final" | head -5
 fi
