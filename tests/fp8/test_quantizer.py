@@ -9,7 +9,9 @@ import torch.distributed as dist
 import fp8shard as fs
 from fp8shard.fp8 import fused
 from fp8shard.fp8.quantizer import (
+    AmaxHistory,
     BlockwiseQuantizer,
+    DelayedTensorwiseQuantizer,
     Fp8Operand,
     Quantizer,
     RowwiseQuantizer,
@@ -283,3 +285,52 @@ def test_blockwise_gemm_on_cuda_matches_the_emulation(shape):
         y = q.gemm(lhs, rhs, torch.bfloat16)
         ref = emulated_tiled_mm(lhs, rhs, torch.float32)
         assert sqnr_db(ref, y) >= 45, f"{q.gemm_path(lhs, rhs, torch.bfloat16)}: {sqnr_db(ref, y):.1f} dB"
+
+
+# ------------------------------------------------------------------------------ scales, casts
+def test_scale_rule_lives_here_and_keeps_its_old_names():
+    from fp8shard.fp8 import quantizer, scaling
+
+    for name in ("scale_from_amax", "amax", "AmaxHistory"):
+        assert getattr(scaling, name) is getattr(quantizer, name) is getattr(fs.fp8, name)
+
+
+def test_tensorwise_scales_keep_the_previous_scale_where_the_amax_is_bad():
+    stats = torch.tensor([0.0, float("nan"), float("inf"), 2.0, 1e-45])
+    prev = torch.tensor([3.0, 5.0, 7.0, 11.0, 13.0])
+    got = TensorwiseQuantizer().scales(stats, E4M3, prev)
+    assert torch.equal(got, torch.tensor([3.0, 5.0, 7.0, E4M3.max / 2.0, 13.0]))
+    assert torch.equal(TensorwiseQuantizer().scales(torch.tensor(0.0), E4M3), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_tensorwise_scales_are_the_amax_history_bit_for_bit(algo):
+    """The optimizer's delayed weight scaling: record the reduced stats, scales for the next
+    cast from the window, exactly as an ``AmaxHistory`` over the same slots."""
+    recipe = fs.DelayedScaling(amax_history_len=4, amax_compute_algo=algo, margin=1)
+    q = DelayedTensorwiseQuantizer(3, recipe, E5M2)
+    ref = AmaxHistory(3, recipe, torch.full((3,), E5M2.max))
+    prev = torch.tensor([2.0, 3.0, 4.0])
+    ref.scale = prev.clone()
+    g = torch.Generator().manual_seed(0)
+    for t in range(9):
+        stats = torch.rand(3, generator=g) * 10 ** (t % 4)
+        stats[t % 3] = [0.0, float("nan"), float("inf")][t % 3]
+        prev = q.scales(stats, E5M2, prev)
+        for s in range(3):
+            ref.record(s, stats[s])
+        assert torch.equal(prev, ref.update())
+    torch.testing.assert_close(q.state(1)["amax_history"], ref.history[:, 1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_cast_is_scales_then_cast_scaled(name):
+    q = QUANTIZERS[name]()
+    x = _randn(130, 256, seed=3)
+    stats = q.local_stats(x, "weight")
+    op = q.cast(x, stats, E4M3, "weight")
+    scales = q.scales(stats, E4M3)
+    assert torch.equal(op.scale_inv, scales.reciprocal())
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    q.cast_scaled(x, scales, E4M3, "weight", out=out)
+    assert torch.equal(out, op.data.view(torch.uint8))

@@ -7,11 +7,13 @@ its file. Before the step kernel ([Note: step kernel]) the same step ran code in
 src/fp8shard (242 calls); with the step kernel 10 (about 180 calls); with the engine interface
 ([Note: engine]: core.py + flat.py for distributed_fused_adam.py + hooks.py, the reference Adam
 op beside the kernel's other reference ops in fused_step.py) 9; with the FP8 formats' max and
-dtype plain attributes and each region's format resolved when it is built, 8. On the GPU the
+dtype plain attributes and each region's format resolved when it is built, 8; with the per-tensor
+weights cast through the quantizer protocol ([Note: quantizer]), still 8: fp8/quantizer.py, where
+the scale rule and the amax history now live, in place of fp8/scaling.py. On the GPU the
 reference ops (``adam_``, fp8/cast.py) give way to optim/triton_adam.py.
 
 One step of ``FSDP2Adam`` (2 ranks, gloo) through the same core on the FSDP2 engine: 8 files (9
-before the formats became constants).
+before the formats became constants; fp8/quantizer.py for fp8/scaling.py since the protocol).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ EXPECTED = {
     "optim/fused_step.py",  # the step kernel: tile tables, kernel 1 and 2, and their reference ops
     "fp8/cast.py",  # kernel 2's reference op
     "optim/fp8_weights.py",  # the scales from the global amax
-    "fp8/scaling.py",  # the scale convention ([Note: scale])
+    "fp8/quantizer.py",  # the weights' quantizers: their scales ([Note: quantizer], [Note: scale])
     "fp8/tensor.py",  # the new scale_inv lands on the weight; its transpose cache is dropped
 }
 MAX_FILES = 8  # 13 before the step kernel, 10 before the engine interface, 9 before formats as constants
@@ -50,7 +52,7 @@ EXPECTED_FSDP2 = {
     "optim/collectives.py",  # the two all-reduces (and their byte counts)
     "fp8/cast.py",  # the cast into the local bytes
     "optim/fp8_weights.py",  # the scales from the global amax
-    "fp8/scaling.py",  # the scale convention ([Note: scale])
+    "fp8/quantizer.py",  # the weights' quantizers: their scales ([Note: quantizer], [Note: scale])
     "fp8/tensor.py",  # the new scale_inv lands on the local shard
 }
 MAX_FILES_FSDP2 = 8  # 9 before the formats became constants (then fsdp2.py called dist itself)

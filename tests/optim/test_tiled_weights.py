@@ -87,3 +87,59 @@ def test_scales_are_set_with_the_gathered_bytes_and_saved_as_grids(recipe):
         if isinstance(p, fs.Float8Tensor):
             scale = sd["state"][i]["fp8"]["scale"]
             assert scale.shape == p.scale_inv.shape and torch.equal(scale.reciprocal(), p.scale_inv)
+
+
+# Per-tensor weights are one implementation of the quantizer protocol, not a branch of the
+# optimizer ([Note: weight scaling]): a quantizer substituted where Fp8WeightScaler chooses one
+# sees every recipe's stats, scales and casts, and the results stay bit for bit.
+class _Recording:
+    """A weight quantizer that records the protocol calls it gets, then does what ``inner`` does."""
+
+    def __init__(self, inner, calls: list) -> None:
+        self.inner, self.calls = inner, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("local_stats", "scales", "cast_scaled", "state", "load_state"):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append((self.inner.name, name))
+            return attr(*args, **kwargs)
+        return call
+
+
+def _record_quantizers(monkeypatch) -> list:
+    from fp8shard.optim import fp8_weights
+
+    calls: list = []
+    choose = fp8_weights._choose_quantizer
+    monkeypatch.setattr(fp8_weights, "_choose_quantizer", lambda *a, **k: _Recording(choose(*a, **k), calls))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_goes_through_its_weight_quantizer(recipe, monkeypatch):
+    calls = _record_quantizers(monkeypatch)
+    res = tc.one_step_against_reference(recipe, bucket_cap_mb=0.05)
+    assert res["equal"] and all(res["equal"].values()), res["equal"]
+    assert res["kernel"] == "FlatReferenceKernel"
+    name = {"current": "tensorwise"}.get(recipe, recipe)
+    assert {(name, m) for m in ("local_stats", "scales", "cast_scaled")} <= set(calls), calls
+    assert {n for n, _ in calls} == {name}
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_the_fused_step_takes_its_scales_from_the_quantizer(scaling, monkeypatch):
+    """The fused step casts in its kernels (same per-slot scales); the scales are the quantizer's."""
+    calls = _record_quantizers(monkeypatch)
+    model = tc.build(scaling)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.05, step_kernel="fused",
+                               fp8_weight_scaling=scaling)
+    model(torch.randn(4, tc.SHAPES[0][1])).sum().backward()
+    opt.step()
+    name = {"current": "tensorwise", "delayed": "delayed"}[scaling]
+    assert (name, "scales") in calls
+    sd = opt.state_dict()["state"][0]["fp8"]
+    assert set(sd) == ({"scale"} if scaling == "current" else {"scale", "amax_history"})
+    assert (name, "state") in calls

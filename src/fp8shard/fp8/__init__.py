@@ -4,16 +4,14 @@ from fp8shard.fp8 import ops as _ops  # noqa: F401  (registers the dispatch tabl
 from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.gemm import get_fp8_gemm, set_fp8_gemm
+from fp8shard.fp8.quantizer import AmaxHistory, amax, scale_from_amax
 from fp8shard.fp8.scaling import (
-    AmaxHistory,
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     Recipe,
     RecipeFormat,
     RowwiseScaling,
-    amax,
-    scale_from_amax,
 )
 from fp8shard.fp8.tensor import Float8Tensor
 

@@ -24,8 +24,8 @@ import torch
 from fp8shard._triton import use_triton
 from fp8shard.fp8.cast import cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
-from fp8shard.fp8.scaling import amax as compute_amax
-from fp8shard.fp8.scaling import scale_from_amax
+from fp8shard.fp8.quantizer import amax as compute_amax
+from fp8shard.fp8.quantizer import scale_from_amax
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

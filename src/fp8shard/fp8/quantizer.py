@@ -28,10 +28,17 @@
 
     What a recipe provides (``Quantizer``): ``local_stats`` (the amax of every tile of this
     rank's tensor), ``reduce`` (a MAX all-reduce of those, for tensors split over ranks),
-    ``cast`` (stats -> scales -> FP8 bytes + ``scale_inv``, [Note: scale] elementwise per
-    tile) and ``gemm`` for the operands it produced. ``quantize`` is current scaling: stats of
-    the tensor being cast, then the cast. ``fs.nn.Linear`` computes rowwise and blockwise
-    through it (``nn/quantized_linear.py``); the optimizer's cast is the next user.
+    ``scales`` (the recipe's rule from the reduced stats, [Note: scale], elementwise per tile;
+    per tensor with the previous-scale guard), ``cast_scaled`` (FP8 bytes with given scales),
+    ``cast`` (the two: stats -> scales -> FP8 bytes + ``scale_inv``) and ``gemm`` for the
+    operands it produced. ``quantize`` is current scaling: stats of the tensor being cast, then
+    the cast. ``fs.nn.Linear`` computes rowwise and blockwise through it
+    (``nn/quantized_linear.py``). The optimizer casts every FP8 weight through it ([Note: weight
+    scaling] in ``optim/fp8_weights.py``): per-tensor weights with ``TensorwiseQuantizer``
+    (current) or ``DelayedTensorwiseQuantizer`` (delayed: an ``AmaxHistory``, ``ahead``: a
+    cast's scales come from the stats before it; ``state`` keeps the history in checkpoints),
+    rowwise and blockwise ones with their tile quantizers. The scale rule (``scale_from_amax``,
+    ``amax``, ``AmaxHistory``) is written here, once.
 """
 
 from __future__ import annotations
@@ -42,23 +49,94 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# fused (the fused per-tensor casts) imports this module's scale rule: a module reference, read
+# when called, keeps the two importable in either order.
+from fp8shard.fp8 import fused as _fused
 from fp8shard.fp8 import gemm as _gemm
 from fp8shard.fp8.cast import cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
-from fp8shard.fp8.fused import quantize_current, quantize_with_scale
 from fp8shard.fp8.scaling import (
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     Recipe,
     RowwiseScaling,
-    amax,
-    scale_from_amax,
 )
 
 OperandKind = Literal["activation", "weight"]
 """Activations and gradients are "activation"; only blockwise treats weights differently."""
 KINDS = ("activation", "weight")
+
+
+# ------------------------------------------------------------------------------ the scale rule
+def scale_from_amax(
+    amax: torch.Tensor,
+    fmt_max: float | torch.Tensor,
+    prev_scale: torch.Tensor | None = None,
+    margin: int = 0,
+) -> torch.Tensor:
+    """fp32 scale(s) ``fmt_max / amax / 2**margin`` with the guards of [Note: scale].
+
+    Works elementwise, so a packed vector of amaxes gives a vector of scales in one call.
+    """
+    amax = amax.float()
+    scale = (fmt_max / amax) / (2.0**margin)
+    prev = torch.ones_like(amax) if prev_scale is None else prev_scale.float()
+    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
+    return torch.where(ok, scale, prev)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 0-d max |x|; 0 for an empty tensor; NaN if x holds a NaN."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    # torch.max propagates NaN, so a NaN in x shows up as a non-finite amax.
+    return x.detach().abs().max().float()
+
+
+
+
+class AmaxHistory:
+    """Delayed-scaling state for ``n`` tensor slots: an amax history and a scale per slot.
+
+    Protocol (Transformer Engine's): casts in iteration i use ``scale`` and record their amax
+    into ``history[0]`` with :meth:`record`; after the iteration (and after the amaxes were
+    reduced over the group, if any) :meth:`update` computes new scales from the whole window
+    and rolls the window so ``history[0]`` is free for the next iteration.
+    """
+
+    def __init__(self, n: int, recipe: DelayedScaling, fmt_max: torch.Tensor | float,
+                 device: torch.device | str | None = None) -> None:
+        self.recipe = recipe
+        self.history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
+        self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        self.fmt_max = torch.as_tensor(fmt_max, dtype=torch.float32, device=device)
+
+    def record(self, slot: int, amax_value: torch.Tensor) -> None:
+        cur = self.history[0, slot]
+        self.history[0, slot] = torch.maximum(cur, amax_value.float())
+
+    def update(self) -> torch.Tensor:
+        if self.recipe.amax_compute_algo == "max":
+            window_amax = self.history.amax(dim=0)
+        else:
+            window_amax = self.history[0]
+        self.scale = scale_from_amax(window_amax, self.fmt_max, self.scale, self.recipe.margin)
+        self.history = torch.roll(self.history, shifts=-1, dims=0)
+        self.history[0].zero_()
+        return self.scale
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"amax_history": self.history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        if sd["amax_history"].shape != self.history.shape:
+            raise ValueError(
+                f"amax history shape {tuple(sd['amax_history'].shape)} does not match "
+                f"{tuple(self.history.shape)}: was amax_history_len changed?"
+            )
+        self.history.copy_(sd["amax_history"])
+        self.scale.copy_(sd["scale"])
 
 
 class Fp8Operand(NamedTuple):
@@ -83,6 +161,8 @@ class Quantizer(Protocol):
     """What one scaling recipe provides ([Note: quantizer])."""
 
     name: str
+    ahead: bool
+    """Whether a cast's scales are known before its own stats (delayed scaling)."""
 
     def local_stats(self, x: torch.Tensor, kind: OperandKind) -> torch.Tensor:
         """fp32 amax of every tile of the 2-D ``x`` (0-d for tensorwise)."""
@@ -92,8 +172,27 @@ class Quantizer(Protocol):
         """``stats`` MAX-reduced over ``group`` in place (no-op without a process group)."""
         ...
 
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """The recipe's rule: fp32 scales from the (reduced) ``stats``, elementwise, so a packed
+        vector of several tensors' stats gives their scales in one call. ``prev``: the scales in
+        use, which the per-tensor rule keeps where an amax is zero or non-finite."""
+        ...
+
+    def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """FP8 bytes of ``x`` with the given ``scales`` (0-d or per tile), into ``out`` if given."""
+        ...
+
     def cast(self, x: torch.Tensor, stats: torch.Tensor, fmt: Fp8Format, kind: OperandKind) -> Fp8Operand:
         """FP8 bytes and ``scale_inv`` of ``x`` with scales from the (reduced) ``stats``."""
+        ...
+
+    def state(self, col: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of tensor ``col`` beside its scales (delayed: its amax history)."""
+        ...
+
+    def load_state(self, col: int, sd: dict[str, torch.Tensor], what: str) -> None:
+        """``state``'s entries of tensor ``col`` from ``sd`` (``what`` names it in errors)."""
         ...
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
@@ -129,6 +228,7 @@ class TensorwiseQuantizer:
     """
 
     name = "tensorwise"
+    ahead = False
 
     def local_stats(self, x: torch.Tensor, kind: OperandKind) -> torch.Tensor:
         return amax(x)
@@ -136,15 +236,29 @@ class TensorwiseQuantizer:
     def reduce(self, stats: torch.Tensor, group: Any = None) -> torch.Tensor:
         return _reduce_max(stats, group)
 
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+        # fmt.max a Python float: ``float / tensor`` is what Float8Tensor.quantize divides by
+        return scale_from_amax(stats, fmt.max, prev)  # [Note: scale]
+
+    def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        return cast_to_fp8(x.detach(), scale, fmt, out=out)
+
     def cast(self, x: torch.Tensor, stats: torch.Tensor, fmt: Fp8Format, kind: OperandKind) -> Fp8Operand:
-        scale = scale_from_amax(stats, fmt.max)  # [Note: scale]
-        c = quantize_with_scale(x, scale, fmt)
+        c = _fused.quantize_with_scale(x, self.scales(stats, fmt), fmt)
         return Fp8Operand(c.data, c.scale_inv, None)
+
+    def state(self, col: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of tensor ``col`` beside its scales: nothing (current scaling)."""
+        return {}
+
+    def load_state(self, col: int, sd: dict[str, torch.Tensor], what: str) -> None:
+        """Nothing to load beside the scales (current scaling)."""
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
                  cols: bool = False) -> tuple[Fp8Operand | None, Fp8Operand | None]:
         _check_2d(x, "TensorwiseQuantizer.quantize")
-        c = quantize_current(x, fmt, transpose=cols)
+        c = _fused.quantize_current(x, fmt, transpose=cols)
         op_rows = Fp8Operand(c.data, c.scale_inv, None) if rows else None
         op_cols = Fp8Operand(c.data_t, c.scale_inv, None) if cols else None
         return op_rows, op_cols
@@ -153,6 +267,45 @@ class TensorwiseQuantizer:
              bias: torch.Tensor | None = None) -> torch.Tensor:
         _check_pair(a, b)
         return _gemm.fp8_mm(a.data, a.scale_inv, b.data.t(), b.scale_inv, out_dtype, bias)
+
+
+class DelayedTensorwiseQuantizer(TensorwiseQuantizer):
+    """Per-tensor delayed scaling of ``n`` tensors (the optimizer's weights with
+    ``fp8_weight_scaling='delayed'``): the tensorwise quantizer with an ``AmaxHistory``.
+
+    ``scales(stats, fmt, prev)`` records the (reduced) ``stats`` into the history and returns
+    the scales for the NEXT cast from the window ([Note: scale], margin and algorithm of the
+    recipe; ``prev``, the scales in use, where an amax is zero or non-finite): a cast uses the
+    scales known before its own stats (``ahead``).
+    """
+
+    name = "delayed"
+    ahead = True
+
+    def __init__(self, n: int, recipe: DelayedScaling, fmt: Fp8Format,
+                 device: torch.device | str | None = None) -> None:
+        self.history = AmaxHistory(n, recipe, torch.full((n,), fmt.max), device=device)
+
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.history
+        if prev is not None:
+            h.scale = prev
+        torch.maximum(h.history[0], stats, out=h.history[0])
+        return h.update()
+
+    def state(self, col: int) -> dict[str, torch.Tensor]:
+        """Tensor ``col``'s amax history (its checkpoint entry beside the scale)."""
+        return {"amax_history": self.history.history[:, col].clone()}
+
+    def load_state(self, col: int, sd: dict[str, torch.Tensor], what: str) -> None:
+        if "amax_history" not in sd:
+            raise ValueError(f"{what}: checkpoint has no amax_history, but "
+                             "fp8_weight_scaling='delayed' needs one; load with 'current' scaling")
+        hist = sd["amax_history"].to(self.history.history)
+        if hist.shape[0] != self.history.history.shape[0]:
+            raise ValueError(f"{what}: amax history of length {hist.shape[0]} does not "
+                             f"match amax_history_len={self.history.history.shape[0]}")
+        self.history.history[:, col] = hist
 
 
 # ------------------------------------------------------------------------------ tiled recipes
@@ -229,6 +382,7 @@ class _TiledQuantizer:
     """Current scaling with one scale per tile; subclasses say the tile of each operand kind."""
 
     name = "tiled"
+    ahead = False
 
     def __init__(self, power_of_2_scales: bool = False) -> None:
         self.power_of_2_scales = power_of_2_scales
@@ -243,11 +397,28 @@ class _TiledQuantizer:
     def reduce(self, stats: torch.Tensor, group: Any = None) -> torch.Tensor:
         return _reduce_max(stats, group)
 
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+        return tile_scales(stats, Fp8Format.parse(fmt), self.power_of_2_scales)  # no previous scale
+
+    def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        data = cast_tiles(x, scale, Fp8Format.parse(fmt), self.block(_check_kind(kind), x.shape))
+        if out is None:
+            return data
+        return out.copy_(data.view(out.dtype))
+
     def cast(self, x: torch.Tensor, stats: torch.Tensor, fmt: Fp8Format, kind: OperandKind) -> Fp8Operand:
         fmt = Fp8Format.parse(fmt)
-        block = self.block(_check_kind(kind), x.shape)
-        scale = tile_scales(stats, fmt, self.power_of_2_scales)
-        return Fp8Operand(cast_tiles(x, scale, fmt, block), scale.reciprocal(), block)
+        scale = self.scales(stats, fmt)
+        return Fp8Operand(self.cast_scaled(x, scale, fmt, kind), scale.reciprocal(),
+                          self.block(_check_kind(kind), x.shape))
+
+    def state(self, col: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of tensor ``col`` beside its scales: nothing (current scaling)."""
+        return {}
+
+    def load_state(self, col: int, sd: dict[str, torch.Tensor], what: str) -> None:
+        """Nothing to load beside the scales (current scaling)."""
 
     def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
                  cols: bool = False) -> tuple[Fp8Operand | None, Fp8Operand | None]:
@@ -456,7 +627,8 @@ def is_tiled(recipe: object) -> bool:
 
 
 __all__ = [
-    "BlockwiseQuantizer", "Fp8Operand", "OperandKind", "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer",
-    "TensorwiseQuantizer", "cast_tiles", "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe",
-    "quantize_tiles", "quantizer_for", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
+    "AmaxHistory", "BlockwiseQuantizer", "DelayedTensorwiseQuantizer", "Fp8Operand", "OperandKind",
+    "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer", "TensorwiseQuantizer", "amax", "cast_tiles",
+    "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe", "quantize_tiles", "quantizer_for",
+    "scale_from_amax", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
 ]

@@ -1,4 +1,7 @@
-"""Scale arithmetic and the scaling recipes. See [Note: scale] in docs/design.md.
+"""The scaling recipes, and the scale convention. See [Note: scale] in docs/design.md.
+
+The arithmetic (``scale_from_amax``, ``amax``, ``AmaxHistory``) lives in ``fp8/quantizer.py``,
+beside the quantizers that use it ([Note: quantizer]); its names stay importable from here.
 
 [Note: scale]
     fp8 = saturate(round(x * scale)),  x ~= fp8.float() * scale_inv,  scale_inv = 1 / scale.
@@ -14,34 +17,7 @@ import dataclasses
 import enum
 from typing import Literal
 
-import torch
-
 from fp8shard.fp8.formats import Fp8Format
-
-
-def scale_from_amax(
-    amax: torch.Tensor,
-    fmt_max: float | torch.Tensor,
-    prev_scale: torch.Tensor | None = None,
-    margin: int = 0,
-) -> torch.Tensor:
-    """fp32 scale(s) ``fmt_max / amax / 2**margin`` with the guards of [Note: scale].
-
-    Works elementwise, so a packed vector of amaxes gives a vector of scales in one call.
-    """
-    amax = amax.float()
-    scale = (fmt_max / amax) / (2.0**margin)
-    prev = torch.ones_like(amax) if prev_scale is None else prev_scale.float()
-    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
-    return torch.where(ok, scale, prev)
-
-
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 0-d max |x|; 0 for an empty tensor; NaN if x holds a NaN."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    # torch.max propagates NaN, so a NaN in x shows up as a non-finite amax.
-    return x.detach().abs().max().float()
 
 
 class RecipeFormat(enum.Enum):
@@ -148,44 +124,13 @@ class BlockwiseScaling:
 Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockwiseScaling
 
 
-class AmaxHistory:
-    """Delayed-scaling state for ``n`` tensor slots: an amax history and a scale per slot.
+_MOVED = ("AmaxHistory", "amax", "scale_from_amax")
 
-    Protocol (Transformer Engine's): casts in iteration i use ``scale`` and record their amax
-    into ``history[0]`` with :meth:`record`; after the iteration (and after the amaxes were
-    reduced over the group, if any) :meth:`update` computes new scales from the whole window
-    and rolls the window so ``history[0]`` is free for the next iteration.
-    """
 
-    def __init__(self, n: int, recipe: DelayedScaling, fmt_max: torch.Tensor | float,
-                 device: torch.device | str | None = None) -> None:
-        self.recipe = recipe
-        self.history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
-        self.scale = torch.ones(n, dtype=torch.float32, device=device)
-        self.fmt_max = torch.as_tensor(fmt_max, dtype=torch.float32, device=device)
+def __getattr__(name: str) -> object:
+    """``scale_from_amax``, ``amax`` and ``AmaxHistory`` from ``fp8/quantizer.py``, as before."""
+    if name in _MOVED:
+        from fp8shard.fp8 import quantizer
 
-    def record(self, slot: int, amax_value: torch.Tensor) -> None:
-        cur = self.history[0, slot]
-        self.history[0, slot] = torch.maximum(cur, amax_value.float())
-
-    def update(self) -> torch.Tensor:
-        if self.recipe.amax_compute_algo == "max":
-            window_amax = self.history.amax(dim=0)
-        else:
-            window_amax = self.history[0]
-        self.scale = scale_from_amax(window_amax, self.fmt_max, self.scale, self.recipe.margin)
-        self.history = torch.roll(self.history, shifts=-1, dims=0)
-        self.history[0].zero_()
-        return self.scale
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"amax_history": self.history.clone(), "scale": self.scale.clone()}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        if sd["amax_history"].shape != self.history.shape:
-            raise ValueError(
-                f"amax history shape {tuple(sd['amax_history'].shape)} does not match "
-                f"{tuple(self.history.shape)}: was amax_history_len changed?"
-            )
-        self.history.copy_(sd["amax_history"])
-        self.scale.copy_(sd["scale"])
+        return getattr(quantizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8shard.fp8.scaling import DelayedScaling, scale_from_amax
+from fp8shard.fp8.quantizer import scale_from_amax
+from fp8shard.fp8.scaling import DelayedScaling
 from fp8shard.nn import overflow
 from fp8shard.nn.linear import Linear
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
 from fp8shard.fp8.gemm import fp8_mm
-from fp8shard.fp8.quantizer import is_tiled, parse_recipe
-from fp8shard.fp8.scaling import AmaxHistory, DelayedScaling
+from fp8shard.fp8.quantizer import AmaxHistory, is_tiled, parse_recipe
+from fp8shard.fp8.scaling import DelayedScaling
 from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
 from fp8shard.nn.autocast import Fp8State, current_fp8_state
 from fp8shard.nn.model_init import current_model_init

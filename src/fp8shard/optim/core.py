@@ -186,8 +186,7 @@ class ShardedAdam(torch.optim.Optimizer):
     @property
     def fp8_amax_history_len(self) -> int | None:
         """Length of the FP8 weights' amax history (delayed weight scaling), else None."""
-        history = self.engine.fp8.history
-        return None if history is None else history.history.shape[0]
+        return self.engine.fp8.amax_history_len
 
     def wait_param_sync(self) -> None:
         """Finish every in-flight parameter gather (only the flat engine with overlap_param_sync

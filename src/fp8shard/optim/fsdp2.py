@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8shard.fp8 import DelayedScaling, Float8Tensor, cast_to_fp8
+from fp8shard.fp8 import DelayedScaling, Float8Tensor
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
 from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
@@ -127,8 +127,9 @@ def _shard_group(p: torch.Tensor) -> dist.ProcessGroup:
 
 class FSDP2Kernel(ReferenceKernel):
     """The reference step kernel on FSDP2's local shards: one flat master, exp_avg, exp_avg_sq
-    per parameter; the gradient shards as fp32 (zeros where a parameter got none); the amax per
-    FP8 parameter; the cast straight into the local FP8 bytes, ``master.to(dtype)`` elsewhere."""
+    per parameter; the gradient shards as fp32 (zeros where a parameter got none); the stats of
+    each FP8 parameter and the cast straight into its local FP8 bytes through its quantizer
+    ([Note: weight scaling]), ``master.to(dtype)`` elsewhere."""
 
     def __init__(self, params: list[torch.Tensor], masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], runs: list[list[Run]], scaler: Fp8WeightScaler,
@@ -141,10 +142,11 @@ class FSDP2Kernel(ReferenceKernel):
                 for p, m in zip(self.params, self.masters, strict=True)]
 
     def local_amax(self) -> torch.Tensor:
+        """Each FP8 weight's ``local_stats`` of its local shard (per tensor: one row, one slot)."""
         amax = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
         for i, s in self.fp8.slot.items():
             if self.masters[i].numel():  # an empty shard (fewer rows than ranks) has amax 0
-                amax[s] = self.masters[i].abs().max()
+                amax[s] = self.fp8.quantizer(i).local_stats(self.masters[i].view(1, -1), "weight")
         return amax
 
     def cast(self, scales: torch.Tensor | None) -> None:
@@ -154,8 +156,8 @@ class FSDP2Kernel(ReferenceKernel):
                 continue
             if isinstance(local, Float8Tensor):
                 assert scales is not None
-                cast_to_fp8(self.masters[i].view(local.shape), scales[self.fp8.slot[i]], local.fp8_format,
-                            out=local._data)
+                self.fp8.quantizer(i).cast_scaled(self.masters[i].view(local.shape), scales[self.fp8.slot[i]],
+                                                  local.fp8_format, "weight", out=local._data)
             else:
                 local.copy_(self.masters[i].view(local.shape).to(local.dtype))
 
