@@ -9,11 +9,16 @@ src/fp8shard (242 calls); with the step kernel 10 (about 180 calls); with the en
 op beside the kernel's other reference ops in fused_step.py) 9; with the FP8 formats' max and
 dtype plain attributes and each region's format resolved when it is built, 8; with the per-tensor
 weights cast through the quantizer protocol ([Note: quantizer]), still 8: fp8/quantizer.py, where
-the scale rule and the amax history now live, in place of fp8/scaling.py. On the GPU the
-reference ops (``adam_``, fp8/cast.py) give way to optim/triton_adam.py.
+the scale rule and the amax history now live, in place of fp8/scaling.py; with the weights'
+quantizers (``WeightQuantizers``: slots, scales, the new scale_inv onto the weights) and the
+encoding (``cast_to_fp8``) in fp8/quantizer.py beside the per-tensor quantizers, and kernel 2's
+reference op the per-tensor quantizer's ``cast_scaled``, 6 (about 180 calls): optim/fp8_weights.py
+keeps only the flat engine's pieces (the reference kernel's), fp8/cast.py re-exports the
+encoding. On the GPU the reference ops (``adam_``, the cast) give way to optim/triton_adam.py.
 
-One step of ``FSDP2Adam`` (2 ranks, gloo) through the same core on the FSDP2 engine: 8 files (9
-before the formats became constants; fp8/quantizer.py for fp8/scaling.py since the protocol).
+One step of ``FSDP2Adam`` (2 ranks, gloo) through the same core on the FSDP2 engine: 6 files (9
+before the formats became constants; fp8/quantizer.py for fp8/scaling.py since the protocol; 8
+before the weights' quantizers and the encoding joined it).
 """
 
 from __future__ import annotations
@@ -38,24 +43,27 @@ EXPECTED = {
     "optim/flat.py",  # the flat engine: finish the reduce-scatters; launch and wait for the gathers
     "optim/collectives.py",  # the collectives (and their byte counts)
     "optim/fused_step.py",  # the step kernel: tile tables, kernel 1 and 2, and their reference ops
-    "fp8/cast.py",  # kernel 2's reference op
-    "optim/fp8_weights.py",  # the scales from the global amax
-    "fp8/quantizer.py",  # the weights' quantizers: their scales ([Note: quantizer], [Note: scale])
+    # the weights' quantizers: their scales from the global amax, kernel 2's reference cast
+    # (cast_scaled, the encoding), the new scale_inv ([Note: quantizer], [Note: scale])
+    "fp8/quantizer.py",
     "fp8/tensor.py",  # the new scale_inv lands on the weight; its transpose cache is dropped
 }
-MAX_FILES = 8  # 13 before the step kernel, 10 before the engine interface, 9 before formats as constants
+# 13 before the step kernel, 10 before the engine interface, 9 before formats as constants, 8 before
+# the weights' quantizers and the encoding joined fp8/quantizer.py (for optim/fp8_weights.py, fp8/cast.py)
+MAX_FILES = 6
 
 EXPECTED_FSDP2 = {
     "optim/core.py",  # step(): the three phases
     "optim/fsdp2.py",  # the FSDP2 engine and its kernel: local shards, amax, cast into the bytes
     "optim/fused_step.py",  # the reference kernel and its Adam op (adam_)
     "optim/collectives.py",  # the two all-reduces (and their byte counts)
-    "fp8/cast.py",  # the cast into the local bytes
-    "optim/fp8_weights.py",  # the scales from the global amax
-    "fp8/quantizer.py",  # the weights' quantizers: their scales ([Note: quantizer], [Note: scale])
+    # the weights' quantizers: amax, scales from the global amax, the cast into the local bytes
+    "fp8/quantizer.py",
     "fp8/tensor.py",  # the new scale_inv lands on the local shard
 }
-MAX_FILES_FSDP2 = 8  # 9 before the formats became constants (then fsdp2.py called dist itself)
+# 9 before the formats became constants (then fsdp2.py called dist itself), 8 before the weights'
+# quantizers and the encoding joined fp8/quantizer.py (for optim/fp8_weights.py, fp8/cast.py)
+MAX_FILES_FSDP2 = 6
 
 dist_pools = pools_fixture("gloo")
 

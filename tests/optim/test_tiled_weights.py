@@ -90,7 +90,7 @@ def test_scales_are_set_with_the_gathered_bytes_and_saved_as_grids(recipe):
 
 
 # Per-tensor weights are one implementation of the quantizer protocol, not a branch of the
-# optimizer ([Note: weight scaling]): a quantizer substituted where Fp8WeightScaler chooses one
+# optimizer ([Note: weight scaling]): a quantizer substituted where WeightQuantizers chooses one
 # sees every recipe's stats, scales and casts, and the results stay bit for bit.
 class _Recording:
     """A weight quantizer that records the protocol calls it gets, then does what ``inner`` does."""
@@ -110,11 +110,11 @@ class _Recording:
 
 
 def _record_quantizers(monkeypatch) -> list:
-    from fp8shard.optim import fp8_weights
+    from fp8shard.fp8 import quantizer
 
     calls: list = []
-    choose = fp8_weights._choose_quantizer
-    monkeypatch.setattr(fp8_weights, "_choose_quantizer", lambda *a, **k: _Recording(choose(*a, **k), calls))
+    choose = quantizer._choose_quantizer
+    monkeypatch.setattr(quantizer, "_choose_quantizer", lambda *a, **k: _Recording(choose(*a, **k), calls))
     return calls
 
 

@@ -1,10 +1,9 @@
 """FP8 formats, scaling and the Float8Tensor."""
 
 from fp8shard.fp8 import ops as _ops  # noqa: F401  (registers the dispatch table)
-from fp8shard.fp8.cast import cast_from_fp8, cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.gemm import get_fp8_gemm, set_fp8_gemm
-from fp8shard.fp8.quantizer import AmaxHistory, amax, scale_from_amax
+from fp8shard.fp8.quantizer import AmaxHistory, amax, cast_from_fp8, cast_to_fp8, scale_from_amax
 from fp8shard.fp8.scaling import (
     BlockwiseScaling,
     CurrentScaling,

@@ -22,10 +22,12 @@ from typing import NamedTuple
 import torch
 
 from fp8shard._triton import use_triton
-from fp8shard.fp8.cast import cast_to_fp8
+
+# The eager path is quantizer's encoding and scale rule, and quantizer's per-tensor casts are
+# these: each module reads the other through a module reference, when called, so either may be
+# imported first.
+from fp8shard.fp8 import quantizer as _q
 from fp8shard.fp8.formats import Fp8Format
-from fp8shard.fp8.quantizer import amax as compute_amax
-from fp8shard.fp8.quantizer import scale_from_amax
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -90,10 +92,10 @@ def reference_quantize_current(x: torch.Tensor, fmt: Fp8Format | str, *, transpo
     fmt = Fp8Format.parse(fmt)
     _check_transpose(x, transpose)
     x = x.detach()
-    a = compute_amax(x)
+    a = _q.amax(x)
     prev = None if prev_scale_inv is None else prev_scale_inv.reciprocal()
-    scale = scale_from_amax(a, fmt.max, prev)
-    data = cast_to_fp8(x, scale, fmt, out=out)
+    scale = _q.scale_from_amax(a, fmt.max, prev)
+    data = _q.cast_to_fp8(x, scale, fmt, out=out)
     return Fp8Cast(data, data.t().contiguous() if transpose else None,
                    scale.reshape(()).reciprocal(), a)
 
@@ -106,8 +108,8 @@ def reference_quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8
     _check_transpose(x, transpose)
     x = x.detach()
     if amax_out is not None:
-        amax_out.copy_(torch.maximum(amax_out, compute_amax(x)))
-    data = cast_to_fp8(x, scale, fmt, out=out)
+        amax_out.copy_(torch.maximum(amax_out, _q.amax(x)))
+    data = _q.cast_to_fp8(x, scale, fmt, out=out)
     return Fp8Cast(data, data.t().contiguous() if transpose else None,
                    scale.reshape(()).reciprocal(), amax_out)
 

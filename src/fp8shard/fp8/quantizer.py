@@ -1,5 +1,12 @@
 """The quantizer protocol: what one FP8 scaling recipe is, so that recipes are additions.
 
+Here, in order: [Note: scale] written once (the encoding ``cast_to_fp8``, which every FP8 cast
+applies with its scales, and the scale rule ``scale_from_amax``, ``amax``, ``AmaxHistory``); the
+protocol; the per-tensor quantizers; ``WeightQuantizers``, an optimizer's FP8 weights through
+their quantizers ([Note: weight scaling]); ``quantizer_for``, a recipe's quantizer. The rowwise
+and blockwise quantizers build on this in ``fp8/tiled.py``, the recipes and their names
+(``parse_recipe``) are in ``fp8/scaling.py``; this module still exports their names.
+
 [Note: quantizer]
     Every GEMM operand is seen as a 2-D ``[R, C]`` tensor whose **last dim C is the contraction
     dim** ([Note: three GEMMs]):
@@ -33,42 +40,74 @@
     ``cast`` (the two: stats -> scales -> FP8 bytes + ``scale_inv``) and ``gemm`` for the
     operands it produced. ``quantize`` is current scaling: stats of the tensor being cast, then
     the cast. ``fs.nn.Linear`` computes rowwise and blockwise through it
-    (``nn/quantized_linear.py``). The optimizer casts every FP8 weight through it ([Note: weight
-    scaling] in ``optim/fp8_weights.py``): per-tensor weights with ``TensorwiseQuantizer``
-    (current) or ``DelayedTensorwiseQuantizer`` (delayed: an ``AmaxHistory``, ``ahead``: a
-    cast's scales come from the stats before it; ``state`` keeps the history in checkpoints),
-    rowwise and blockwise ones with their tile quantizers. The scale rule (``scale_from_amax``,
-    ``amax``, ``AmaxHistory``) is written here, once.
+    (``nn/quantized_linear.py``). The optimizer casts every FP8 weight through it
+    (``WeightQuantizers``): per-tensor weights with ``TensorwiseQuantizer`` (current) or
+    ``DelayedTensorwiseQuantizer`` (delayed: an ``AmaxHistory``, ``ahead``: a cast's scales
+    come from the stats before it; ``state`` keeps the history in checkpoints), rowwise and
+    blockwise ones with their tile quantizers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-# fused (the fused per-tensor casts) imports this module's scale rule: a module reference, read
-# when called, keeps the two importable in either order.
+# fused (the fused per-tensor casts) is built on this module's encoding and scale rule, and the
+# tensorwise quantizer on fused: each reads the other through a module reference, when called, so
+# either may be imported first.
 from fp8shard.fp8 import fused as _fused
 from fp8shard.fp8 import gemm as _gemm
-from fp8shard.fp8.cast import cast_to_fp8
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.scaling import (
+    RECIPE_NAMES,
     BlockwiseScaling,
-    CurrentScaling,
     DelayedScaling,
     Recipe,
     RowwiseScaling,
+    is_tiled,
+    parse_recipe,
 )
+
+if TYPE_CHECKING:
+    from fp8shard.fp8.tensor import Float8Tensor
+    from fp8shard.fp8.tiled import BlockwiseQuantizer, RowwiseQuantizer
 
 OperandKind = Literal["activation", "weight"]
 """Activations and gradients are "activation"; only blockwise treats weights differently."""
 KINDS = ("activation", "weight")
 
 
-# ------------------------------------------------------------------------------ the scale rule
+# ------------------------------------------------------------------------------ the encoding, the scale rule
+def cast_to_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Fp8Format,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``saturate(round(x * scale))`` as ``fmt.torch_dtype``; writes into ``out`` if given.
+
+    The product is taken in fp32; ``clamp`` saturates +-inf to +-max and leaves NaN as NaN;
+    PyTorch's float8 conversion rounds to nearest even. ``out`` may be a float8 tensor of
+    ``fmt`` or a ``uint8`` tensor (the same bytes, as collectives move them).
+    """
+    hp = x.float() * scale.float()
+    lp = hp.clamp_(-fmt.max, fmt.max).to(fmt.torch_dtype)
+    if out is None:
+        return lp
+    if out.dtype == torch.uint8:
+        out.copy_(lp.view(torch.uint8))
+    else:
+        out.copy_(lp)
+    return out
+
+
+def cast_from_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` in fp32, returned as ``dtype``."""
+    return (data.float() * scale_inv.float()).to(dtype)
+
+
 def scale_from_amax(
     amax: torch.Tensor,
     fmt_max: float | torch.Tensor,
@@ -92,8 +131,6 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     # torch.max propagates NaN, so a NaN in x shows up as a non-finite amax.
     return x.detach().abs().max().float()
-
-
 
 
 class AmaxHistory:
@@ -153,6 +190,8 @@ class Fp8Operand(NamedTuple):
         """The values the bytes stand for, ``data * scale_inv`` per tile, as ``dtype``."""
         if self.block is None:
             return (self.data.float() * self.scale_inv.float()).to(dtype)
+        from fp8shard.fp8.tiled import mul_tiles
+
         return mul_tiles(self.data, self.scale_inv.float(), self.block).to(dtype)
 
 
@@ -308,263 +347,6 @@ class DelayedTensorwiseQuantizer(TensorwiseQuantizer):
         self.history.history[:, col] = hist
 
 
-# ------------------------------------------------------------------------------ tiled recipes
-def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The 2-D ``x`` as tiles: [rb, br, cb, bc], zero-padded to whole tiles (a view if none)."""
-    rows, cols = x.shape
-    br, bc = block
-    rb, cb = -(-rows // br), -(-cols // bc)
-    if rb * br != rows or cb * bc != cols:
-        x = F.pad(x, (0, cb * bc - cols, 0, rb * br - rows))
-    return x.reshape(rb, br, cb, bc)
-
-
-def _untile(t: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """[rb, br, cb, bc] tiles back to a contiguous [R, C] (padding dropped)."""
-    rb, br, cb, bc = t.shape
-    return t.reshape(rb * br, cb * bc)[: shape[0], : shape[1]].contiguous()
-
-
-def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp32 max |x| of every ``block`` tile of the 2-D ``x``: [ceil(R/br), ceil(C/bc)].
-
-    Partial tiles at the edges are padded with zeros (they never raise a max); a NaN in a tile
-    gives that tile a NaN amax, as ``amax`` does for a whole tensor.
-    """
-    return _tiles(x.detach().abs().float(), block).amax(dim=(1, 3))  # [rb, cb]
-
-
-def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp32 ``x`` [R, C] times the per-tile values ``s`` [ceil(R/br), ceil(C/bc)], contiguous.
-
-    Tile by tile through the [rb, br, cb, bc] view, never ``s`` expanded to x's shape
-    (Inductor's CPU code generator rejects that expand + reshape).
-    """
-    if block[0] == 1 and s.shape[1] == 1:
-        return x.float() * s  # [R, 1] broadcasts over the row
-    return _untile(_tiles(x.float(), block) * s[:, None, :, None], x.shape)
-
-
-def tile_scales(stats: torch.Tensor, fmt: Fp8Format, power_of_2: bool = False) -> torch.Tensor:
-    """[Note: scale] per tile: ``fmt.max / amax``; a zero or non-finite amax takes scale 1."""
-    scale = scale_from_amax(stats, fmt.max)
-    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
-
-
-def cast_tiles(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, block: tuple[int, int]) -> torch.Tensor:
-    """FP8 bytes of the 2-D ``x`` with one ``scale`` per ``block`` tile ([Note: scale])."""
-    x = x.detach()
-    if block[0] == 1 and scale.shape[1] == 1:
-        return cast_to_fp8(x, scale, fmt)  # [R, 1] scales broadcast over the rows
-    # tile by tile: [rb, br, cb, bc] bytes times [rb, 1, cb, 1] scales
-    return _untile(cast_to_fp8(_tiles(x, block), scale[:, None, :, None], fmt), x.shape)
-
-
-def quantize_tiles(x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int],
-                   power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling of the 2-D ``x`` per ``block`` tile: (FP8 bytes, fp32 ``scale_inv``)."""
-    scale = tile_scales(tile_amax(x, block), fmt, power_of_2)
-    return cast_tiles(x, scale, fmt, block), scale.reciprocal()
-
-
-def weight_block(recipe: Recipe | str, shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
-    """The tile one scale covers in a stored weight of ``shape`` under ``recipe`` (None: one
-    scale for the whole tensor): rowwise (1, cols), blockwise (n, n)."""
-    q = quantizer_for(recipe)
-    if isinstance(q, TensorwiseQuantizer):
-        return None
-    if len(shape) != 2:
-        raise ValueError(f"a {q.name} FP8 weight is 2-D [rows, cols], got shape {tuple(shape)}")
-    return q.block("weight", shape)
-
-
-class _TiledQuantizer:
-    """Current scaling with one scale per tile; subclasses say the tile of each operand kind."""
-
-    name = "tiled"
-    ahead = False
-
-    def __init__(self, power_of_2_scales: bool = False) -> None:
-        self.power_of_2_scales = power_of_2_scales
-
-    def block(self, kind: OperandKind, shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def local_stats(self, x: torch.Tensor, kind: OperandKind) -> torch.Tensor:
-        _check_2d(x, f"{type(self).__name__}.local_stats")
-        return tile_amax(x, self.block(_check_kind(kind), x.shape))
-
-    def reduce(self, stats: torch.Tensor, group: Any = None) -> torch.Tensor:
-        return _reduce_max(stats, group)
-
-    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
-        return tile_scales(stats, Fp8Format.parse(fmt), self.power_of_2_scales)  # no previous scale
-
-    def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        data = cast_tiles(x, scale, Fp8Format.parse(fmt), self.block(_check_kind(kind), x.shape))
-        if out is None:
-            return data
-        return out.copy_(data.view(out.dtype))
-
-    def cast(self, x: torch.Tensor, stats: torch.Tensor, fmt: Fp8Format, kind: OperandKind) -> Fp8Operand:
-        fmt = Fp8Format.parse(fmt)
-        scale = self.scales(stats, fmt)
-        return Fp8Operand(self.cast_scaled(x, scale, fmt, kind), scale.reciprocal(),
-                          self.block(_check_kind(kind), x.shape))
-
-    def state(self, col: int) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps of tensor ``col`` beside its scales: nothing (current scaling)."""
-        return {}
-
-    def load_state(self, col: int, sd: dict[str, torch.Tensor], what: str) -> None:
-        """Nothing to load beside the scales (current scaling)."""
-
-    def quantize(self, x: torch.Tensor, fmt: Fp8Format, kind: OperandKind, *, rows: bool = True,
-                 cols: bool = False) -> tuple[Fp8Operand | None, Fp8Operand | None]:
-        _check_2d(x, f"{type(self).__name__}.quantize")
-        op_rows = self.cast(x, self.local_stats(x, kind), fmt, kind) if rows else None
-        op_cols = None
-        if cols:
-            xt = x.detach().t().contiguous()  # [C, R]: contraction along x's rows
-            op_cols = self.cast(xt, self.local_stats(xt, kind), fmt, kind)
-        return op_rows, op_cols
-
-    def gemm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-        _check_pair(a, b)
-        if bias is not None and bias.shape != (b.data.shape[0],):
-            raise ValueError(f"{type(self).__name__}.gemm: bias of shape {tuple(bias.shape)} for an output "
-                             f"of {b.data.shape[0]} columns; pass a 1-D bias of length {b.data.shape[0]}")
-        if self.gemm_path(a, b, out_dtype) == "scaled_mm":
-            return self._scaled_mm(a, b, out_dtype, bias)
-        return emulated_tiled_mm(a, b, out_dtype, bias)
-
-    def gemm_path(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> str:
-        """``"scaled_mm"`` where ``torch._scaled_mm`` takes these scales (CUDA, see subclasses),
-        else ``"emulated"`` (dequantize per tile, fp32 product): [Note: tiled GEMM paths]."""
-        dev = a.data.device
-        if dev.type != "cuda" or _gemm.resolved_gemm_path("cuda") == "emulated":
-            return "emulated"
-        why = self._scaled_mm_refusal(a, b, out_dtype, dev.index or 0)
-        if why is None:
-            return "scaled_mm"
-        _gemm._report_once(f"{self.name}-emulated-{why}",
-                           f"fp8shard: {self.name} FP8 GEMM emulated on CUDA ({why}): inputs rounded "
-                           "through FP8 with their tile scales, product in fp32.")
-        return "emulated"
-
-    def _scaled_mm_refusal(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                           device_index: int) -> str | None:
-        return "no torch._scaled_mm layout for this recipe"
-
-    def _scaled_mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-
-# [Note: tiled GEMM paths]
-#     Rowwise on CUDA sm90+ runs ``torch._scaled_mm`` with fp32 scales (M, 1) and (1, N) and a
-#     bf16 output (dims multiples of 16); blockwise on sm90 runs it with the DeepSeek layouts
-#     torch takes since 2.9 (1x128 scales [M, K/128] outer-dim-major, 128x128 scales
-#     [N/128, K/128]; K a multiple of 128, bf16 output). Everything else -- CPU, other GPUs,
-#     other dims or output dtypes -- is the emulation: each operand dequantized per tile to
-#     fp32, one fp32 product (rowwise: the fp32 product of the FP8 values, then both scales,
-#     which is the same sum the kernel takes). The emulation is the reference the GPU path is
-#     tested against.
-def emulated_tiled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The emulated product ``a · bᵀ`` of two tile-scaled operands, fp32, one rounding."""
-    if a.scale_inv.dim() == 2 and b.scale_inv.dim() == 2 and a.scale_inv.shape[1] == 1 \
-            and b.scale_inv.shape[1] == 1 and a.block[0] == 1 and b.block[0] == 1:  # type: ignore[index]
-        # One scale per row of each: they factor out of every dot product.
-        out = torch.mm(a.data.float(), b.data.float().t()) * (a.scale_inv.float() * b.scale_inv.float().t())
-    else:
-        out = torch.mm(a.dequantize(), b.dequantize().t())
-    if _gemm._bias_in_epilogue(bias, out_dtype) or (bias is not None and out_dtype == torch.float32):
-        return (out + bias.float()).to(out_dtype)  # type: ignore[union-attr]
-    if bias is not None:
-        return out.to(out_dtype) + bias.to(out_dtype)
-    return out.to(out_dtype)
-
-
-def _sm(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-class RowwiseQuantizer(_TiledQuantizer):
-    """One scale per row of every operand, along the contraction dim (torchao's rowwise)."""
-
-    name = "rowwise"
-
-    def block(self, kind: OperandKind, shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
-        return (1, max(int(shape[1]), 1))
-
-    def _scaled_mm_refusal(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                           device_index: int) -> str | None:
-        if _sm(device_index) < (9, 0):
-            return "rowwise torch._scaled_mm needs sm90+"
-        if out_dtype != torch.bfloat16:
-            return f"rowwise torch._scaled_mm outputs bf16, asked for {out_dtype}"
-        m, k = a.data.shape
-        n = b.data.shape[0]
-        if m % 16 or k % 16 or n % 16:
-            return "dims not multiples of 16"
-        return None
-
-    def _scaled_mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        scale_a = a.scale_inv.float().reshape(-1, 1).contiguous()  # (M, 1)
-        scale_b = b.scale_inv.float().reshape(1, -1).contiguous()  # (1, N)
-        in_epilogue = bias is not None and bias.dtype == torch.bfloat16
-        out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
-                               bias=bias if in_epilogue else None, out_dtype=out_dtype)
-        return out if bias is None or in_epilogue else out + bias.to(out_dtype)
-
-
-class BlockwiseQuantizer(_TiledQuantizer):
-    """DeepSeek-V3: activations and gradients 1 x ``block_size`` tiles along the contraction
-    dim, weights ``block_size`` x ``block_size`` blocks."""
-
-    name = "blockwise"
-
-    def __init__(self, block_size: int = 128, power_of_2_scales: bool = False) -> None:
-        super().__init__(power_of_2_scales)
-        self.block_size = block_size
-
-    def block(self, kind: OperandKind, shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
-        n = self.block_size
-        return (n, n) if kind == "weight" else (1, n)
-
-    def _scaled_mm_refusal(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                           device_index: int) -> str | None:
-        if self.block_size != 128 or a.block != (1, 128):
-            return "torch._scaled_mm takes 1x128 tiles of the first operand only"
-        if not hasattr(getattr(F, "ScalingType", None), "BlockWise1x128"):
-            return f"torch {torch.__version__} has no blockwise torch._scaled_mm"
-        if _sm(device_index)[0] != 9:
-            return "blockwise torch._scaled_mm runs on sm90 only"
-        if out_dtype != torch.bfloat16:
-            return f"blockwise torch._scaled_mm outputs bf16, asked for {out_dtype}"
-        m, k = a.data.shape
-        n = b.data.shape[0]
-        if k % 128 or m % 16 or n % 16:
-            return "K not a multiple of 128 or M, N not multiples of 16"
-        return None
-
-    def _scaled_mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        # 1x128 scales [M, K/128] outer-dim-major (stride (1, M)); the second operand's scales
-        # are given for b [K, N] column-major: 128x128 -> [K/128, N/128] with stride (1, K/128),
-        # 1x128 -> [K/128, N] row-major.
-        scale_a = a.scale_inv.float().t().contiguous().t()
-        if b.block == (128, 128):
-            scale_b = b.scale_inv.float().contiguous().t()
-        else:
-            scale_b = b.scale_inv.float().t().contiguous()
-        out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-        return out if bias is None else out + bias.to(out_dtype)
-
 
 def _check_kind(kind: str) -> OperandKind:
     if kind not in KINDS:
@@ -579,35 +361,171 @@ def _check_pair(a: Fp8Operand, b: Fp8Operand) -> None:
                          f"{tuple(a.data.shape)} and {tuple(b.data.shape)}")
 
 
-# ------------------------------------------------------------------------------ recipes by name
-RECIPE_NAMES = ("delayed", "current", "tensorwise", "rowwise", "blockwise")
-_RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling)
+# ------------------------------------------------------------------------------ an optimizer's weights
+ScalingMode = Literal["current", "delayed"]
 
 
-def parse_recipe(recipe: Recipe | str) -> Recipe:
-    """A recipe object, or one made from its name: ``delayed`` (``DelayedScaling()``),
-    ``current`` or ``tensorwise`` (``CurrentScaling()``), ``rowwise``, ``blockwise``."""
-    if isinstance(recipe, _RECIPE_TYPES):
-        return recipe
-    if isinstance(recipe, str):
-        name = recipe.lower()
-        if name == "delayed":
-            return DelayedScaling()
-        if name in ("current", "tensorwise"):
-            return CurrentScaling()
-        if name == "rowwise":
-            return RowwiseScaling()
-        if name == "blockwise":
-            return BlockwiseScaling()
-        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {', '.join(RECIPE_NAMES)}")
-    raise TypeError(
-        f"an FP8 recipe is a name ({', '.join(RECIPE_NAMES)}) or a fp8shard DelayedScaling, "
-        f"CurrentScaling, RowwiseScaling or BlockwiseScaling, got "
-        f"{type(recipe).__module__}.{type(recipe).__name__}; build one with e.g. fp8shard.RowwiseScaling()")
+class _Group(NamedTuple):
+    """FP8 weights whose scales one quantizer computes in one call."""
+
+    quantizer: Quantizer
+    fmt: Fp8Format
+    slots: torch.Tensor
+    """int64: the group's slots, in order (the quantizer's columns)."""
 
 
+class WeightQuantizers:
+    """The quantizers of an optimizer's FP8 weights, and their scales ([Note: weight scaling]).
+
+    One slot per per-tensor weight (ordered by index), then one per tile of each rowwise or
+    blockwise one ([Note: tiled weight casts] in ``optim/fp8_weights.py``). Each weight's
+    quantizer is chosen once, here, for every recipe alike: per-tensor weights of one format
+    share one (a column each, one ``scales`` call for them all), a tiled weight has its own.
+    A step takes every recipe through the same sequence: the engine's kernel computes each
+    piece's ``local_stats`` of the new master, the optimizer all-reduces them (MAX, one packed
+    call), ``cast_scales`` applies every quantizer's ``scales``, the kernel casts each piece
+    with ``cast_scaled``, and ``set_scale_inv`` gives the weights their new scales once their
+    bytes land. Per-tensor scaling is one implementation of the protocol, not a branch:
+
+    * ``current`` (default, ``TensorwiseQuantizer``): the cast at step t uses
+      ``scale = fmt.max / global_amax(master_t)``; a zero or non-finite amax keeps the previous
+      scale.
+    * ``delayed`` (``DelayedTensorwiseQuantizer``, Transformer Engine's recipe, for parity with
+      the anchors): the cast at step t uses the scale computed from the amax history *before*
+      step t; the global amax of master_t is then recorded and the scale for step t+1
+      computed from the window.
+    """
+
+    def __init__(self, params: dict[int, Float8Tensor], mode: ScalingMode,
+                 recipe: DelayedScaling | None, device: torch.device) -> None:
+        if mode not in ("current", "delayed"):
+            raise ValueError(f"fp8_weight_scaling must be 'current' or 'delayed', got {mode!r}")
+        self.mode = mode
+        order = sorted(i for i in params if params[i].block is None)
+        self.tiled = {i: params[i] for i in sorted(params) if params[i].block is not None}
+        if self.tiled and mode == "delayed":
+            raise ValueError("fp8_weight_scaling='delayed' is per-tensor only: rowwise or blockwise FP8 "
+                             "weights are cast with current scaling; pass fp8_weight_scaling='current'")
+        recipe = recipe or DelayedScaling()
+        self.amax_history_len = recipe.amax_history_len if mode == "delayed" else None
+        # Each weight's slots [start, start + tiles): per-tensor ones first, by index.
+        self.slot: dict[int, int] = {}
+        self.span: dict[int, tuple[int, int]] = {}
+        n = 0
+        for i in [*order, *self.tiled]:
+            self.slot[i], self.span[i] = n, (n, params[i]._scale_inv.numel())
+            n += self.span[i][1]
+        # Per-tensor weights of one format share a quantizer (one ``scales`` call for them all);
+        # a tiled weight has its own.
+        members: dict[tuple[object, ...], list[int]] = {}
+        for i in self.span:
+            p = params[i]
+            members.setdefault(("tensor", p.fp8_format) if p.block is None else ("tiles", i), []).append(i)
+        self.groups: list[_Group] = []
+        self._col: dict[int, tuple[Quantizer, int]] = {}  # weight -> (its quantizer, its column)
+        for idx in members.values():
+            p = params[idx[0]]
+            q = _choose_quantizer(p, mode, recipe, len(idx), device)
+            slots = [s for i in idx for s in range(self.span[i][0], sum(self.span[i]))]
+            self.groups.append(_Group(q, p.fp8_format, torch.tensor(slots, dtype=torch.long, device=device)))
+            for col, i in enumerate(idx):
+                self._col[i] = (q, col)
+        # Each weight as its quantizer's stats and casts see it: 2-D [rows, cols], one scale per
+        # (block rows) x (grid cols) tile; a per-tensor weight is one row of numel elements, one
+        # tile; and the shape of its scales in a checkpoint (0-d per tensor, else the grid).
+        self._geometry = {i: _geometry(p) for i, p in params.items()}
+        self._fmt = {i: p.fp8_format for i, p in params.items()}
+        self._ahead = any(g.quantizer.ahead for g in self.groups)  # delayed: scales known first
+        # Start from each weight's own scale (its init amax), not 1 (ANCHORS.md: TE 1121).
+        init = [params[i]._scale_inv.float().reciprocal().reshape(-1).to(device) for i in self.slot]
+        self.scale = torch.cat(init) if init else torch.zeros(0, device=device)
+        self._ready: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.scale.numel())
+
+    def quantizer(self, index: int) -> Quantizer:
+        """The quantizer of FP8 parameter ``index``."""
+        return self._col[index][0]
+
+    def known_scales(self) -> torch.Tensor | None:
+        """The scales this step's cast will use, when they are known before this step's amax
+        (delayed scaling: the scales its quantizer computed from the history before step t), else
+        None (current scaling needs the global amax of the new master first). The fused step
+        casts in its Adam pass when they are known ([Note: fused step])."""
+        return self.scale if self._ahead else None
+
+    def cast_scales(self, global_amax: torch.Tensor) -> torch.Tensor:
+        """The scales to cast this step's master with (and advance the scaling state): every
+        group's quantizer's ``scales`` from the reduced stats, the scales in use as ``prev``.
+        Delayed: the cast uses the scales from before; the new ones serve the next step."""
+        new = self.scale.clone()
+        for g in self.groups:
+            new[g.slots] = g.quantizer.scales(global_amax[g.slots], g.fmt, self.scale[g.slots])
+        used = self.scale if self._ahead else new
+        self.scale = new
+        return used
+
+    def set_scale_inv(self, params: dict[int, Float8Tensor], scale_inv: torch.Tensor) -> None:
+        """Give ``params`` (their bytes just gathered) their slots of ``scale_inv`` (the inverse
+        of ``cast_scales``'s result) in one batched copy, and drop their cached transposes."""
+        key = tuple(params)
+        hit = self._ready.get(key)
+        if hit is None:
+            spans = [self.span[i] for i in key]
+            idx = torch.cat([torch.arange(s, s + k) for s, k in spans]).to(scale_inv.device)
+            hit = self._ready[key] = (idx, [k for _, k in spans])
+        new = scale_inv.index_select(0, hit[0]).split(hit[1])
+        dst = [p._scale_inv for p in params.values()]
+        torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new, dst, strict=True)])
+        for p in params.values():
+            p.mark_bytes_changed()  # drops the cached transpose (TE 1596)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self, index: int) -> dict[str, torch.Tensor]:
+        """Parameter ``index``'s scales (its scale grid for a tiled weight; the next cast's for
+        delayed scaling) and what its quantizer keeps beside them (delayed: the amax history)."""
+        start, k = self.span[index]
+        q, col = self._col[index]
+        scale = self.scale[start:start + k].view(self._geometry[index][3]).clone()
+        return {"scale": scale, **q.state(col)}
+
+    def load_state(self, index: int, sd: dict[str, torch.Tensor]) -> None:
+        start, k = self.span[index]
+        q, col = self._col[index]
+        if sd["scale"].numel() != k:
+            raise ValueError(f"parameter {index}: the checkpoint has {sd['scale'].numel()} weight "
+                             f"scales, this {q.name} weight has {k} tiles")
+        q.load_state(col, sd, f"parameter {index}")
+        self.scale[start:start + k] = sd["scale"].reshape(-1).to(self.scale)
+
+
+def _choose_quantizer(p: Float8Tensor, mode: ScalingMode, recipe: DelayedScaling, n: int,
+                      device: torch.device) -> Quantizer:
+    """The one choice: the quantizer of ``n`` FP8 weights like ``p`` (its recipe's, by its scale
+    grid; per tensor: current, or delayed with an amax history of ``n`` columns)."""
+    if p.block is not None:
+        from fp8shard.fp8.tiled import weight_quantizer
+
+        return weight_quantizer(p.block)
+    if mode == "delayed":
+        return DelayedTensorwiseQuantizer(n, recipe, p.fp8_format, device=device)
+    return TensorwiseQuantizer()
+
+
+def _geometry(p: Float8Tensor) -> tuple[int, int, int, tuple[int, ...]]:
+    """(cols, block rows, grid cols, scale shape) of ``p`` as its quantizer sees it."""
+    if p.block is None:
+        return max(p.numel(), 1), 1, 1, ()
+    return p.shape[1], p.block[0], p._scale_inv.shape[1], tuple(p._scale_inv.shape)
+
+
+# ------------------------------------------------------------------------------ a recipe's quantizer
 def quantizer_for(recipe: Recipe | str) -> TensorwiseQuantizer | RowwiseQuantizer | BlockwiseQuantizer:
     """The quantizer of a recipe (delayed scaling's per-layer state stays in ``fs.nn.Linear``)."""
+    from fp8shard.fp8.tiled import BlockwiseQuantizer, RowwiseQuantizer  # tiled.py builds on this module
+
     recipe = parse_recipe(recipe)
     if isinstance(recipe, RowwiseScaling):
         return RowwiseQuantizer(power_of_2_scales=recipe.power_of_2_scales)
@@ -616,19 +534,21 @@ def quantizer_for(recipe: Recipe | str) -> TensorwiseQuantizer | RowwiseQuantize
     return TensorwiseQuantizer()
 
 
-def weight_quantizer(block: tuple[int, int]) -> RowwiseQuantizer | BlockwiseQuantizer:
-    """The quantizer of a stored weight scaled per ``block`` tile (``Float8Tensor.block``)."""
-    return RowwiseQuantizer() if block[0] == 1 else BlockwiseQuantizer(block[0])
+_TILED = ("BlockwiseQuantizer", "RowwiseQuantizer", "cast_tiles", "emulated_tiled_mm", "mul_tiles",
+          "quantize_tiles", "tile_amax", "tile_scales", "weight_block", "weight_quantizer")
 
 
-def is_tiled(recipe: object) -> bool:
-    """Whether ``recipe`` scales per tile (rowwise, blockwise) rather than per tensor."""
-    return isinstance(recipe, (RowwiseScaling, BlockwiseScaling))
+def __getattr__(name: str) -> object:
+    """The tiled quantizers' names, from ``fp8/tiled.py``, as before."""
+    if name in _TILED:
+        from fp8shard.fp8 import tiled
+
+        return getattr(tiled, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "AmaxHistory", "BlockwiseQuantizer", "DelayedTensorwiseQuantizer", "Fp8Operand", "OperandKind",
-    "Quantizer", "RECIPE_NAMES", "RowwiseQuantizer", "TensorwiseQuantizer", "amax", "cast_tiles",
-    "emulated_tiled_mm", "is_tiled", "mul_tiles", "parse_recipe", "quantize_tiles", "quantizer_for",
-    "scale_from_amax", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
+    "AmaxHistory", "DelayedTensorwiseQuantizer", "Fp8Operand", "OperandKind", "Quantizer", "RECIPE_NAMES",
+    "ScalingMode", "TensorwiseQuantizer", "WeightQuantizers", "amax", "cast_from_fp8", "cast_to_fp8",
+    "is_tiled", "parse_recipe", "quantizer_for", "scale_from_amax",
 ]

@@ -1,7 +1,9 @@
-"""The scaling recipes, and the scale convention. See [Note: scale] in docs/design.md.
+"""The scaling recipes (and by name: ``parse_recipe``), and the scale convention. See [Note: scale]
+in docs/design.md.
 
-The arithmetic (``scale_from_amax``, ``amax``, ``AmaxHistory``) lives in ``fp8/quantizer.py``,
-beside the quantizers that use it ([Note: quantizer]); its names stay importable from here.
+The arithmetic (the encoding ``cast_to_fp8``; ``scale_from_amax``, ``amax``, ``AmaxHistory``)
+lives in ``fp8/quantizer.py``, beside the quantizers that use it ([Note: quantizer]); the names
+of the scale rule stay importable from here.
 
 [Note: scale]
     fp8 = saturate(round(x * scale)),  x ~= fp8.float() * scale_inv,  scale_inv = 1 / scale.
@@ -122,6 +124,39 @@ class BlockwiseScaling:
 
 
 Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockwiseScaling
+
+
+
+# ------------------------------------------------------------------------------ recipes by name
+RECIPE_NAMES = ("delayed", "current", "tensorwise", "rowwise", "blockwise")
+_RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling)
+
+
+def parse_recipe(recipe: Recipe | str) -> Recipe:
+    """A recipe object, or one made from its name: ``delayed`` (``DelayedScaling()``),
+    ``current`` or ``tensorwise`` (``CurrentScaling()``), ``rowwise``, ``blockwise``."""
+    if isinstance(recipe, _RECIPE_TYPES):
+        return recipe
+    if isinstance(recipe, str):
+        name = recipe.lower()
+        if name == "delayed":
+            return DelayedScaling()
+        if name in ("current", "tensorwise"):
+            return CurrentScaling()
+        if name == "rowwise":
+            return RowwiseScaling()
+        if name == "blockwise":
+            return BlockwiseScaling()
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {', '.join(RECIPE_NAMES)}")
+    raise TypeError(
+        f"an FP8 recipe is a name ({', '.join(RECIPE_NAMES)}) or a fp8shard DelayedScaling, "
+        f"CurrentScaling, RowwiseScaling or BlockwiseScaling, got "
+        f"{type(recipe).__module__}.{type(recipe).__name__}; build one with e.g. fp8shard.RowwiseScaling()")
+
+
+def is_tiled(recipe: object) -> bool:
+    """Whether ``recipe`` scales per tile (rowwise, blockwise) rather than per tensor."""
+    return isinstance(recipe, (RowwiseScaling, BlockwiseScaling))
 
 
 _MOVED = ("AmaxHistory", "amax", "scale_from_amax")

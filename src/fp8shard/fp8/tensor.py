@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from fp8shard.fp8.cast import cast_from_fp8
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
-from fp8shard.fp8.quantizer import mul_tiles, quantize_tiles, weight_block
+from fp8shard.fp8.quantizer import cast_from_fp8
+from fp8shard.fp8.tiled import mul_tiles, quantize_tiles, weight_block
 
 _NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -36,13 +36,13 @@ from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.quantizer import (
     Fp8Operand,
     Quantizer,
-    RowwiseQuantizer,
     TensorwiseQuantizer,
     parse_recipe,
     quantizer_for,
 )
 from fp8shard.fp8.scaling import Recipe
 from fp8shard.fp8.tensor import Float8Tensor
+from fp8shard.fp8.tiled import RowwiseQuantizer
 
 
 def _pack(op: Fp8Operand | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -34,8 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from fp8shard.fp8.quantizer import WeightQuantizers
 from fp8shard.optim.collectives import Group
-from fp8shard.optim.fp8_weights import Fp8WeightScaler
 from fp8shard.optim.step_kernel import StepKernel
 
 
@@ -45,8 +45,9 @@ class Engine(Protocol):
 
     group: Group
     """The ranks that share the parameters' shards; the optimizer's all-reduces run over it."""
-    fp8: Fp8WeightScaler
-    """The FP8 weights' scales (one slot per FP8 parameter), their state for checkpoints."""
+    fp8: WeightQuantizers
+    """The FP8 weights' quantizers and scales (a slot per per-tensor weight or tile), their state
+    for checkpoints."""
     kernel: StepKernel
     """The step's arithmetic on this rank's shards, chosen once at construction."""
 

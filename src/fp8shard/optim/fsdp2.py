@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
+from fp8shard.fp8.quantizer import ScalingMode, WeightQuantizers
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
-from fp8shard.optim.fp8_weights import Fp8WeightScaler, ScalingMode
 from fp8shard.optim.fused_step import ReferenceKernel, Run
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
@@ -132,7 +132,7 @@ class FSDP2Kernel(ReferenceKernel):
     ([Note: weight scaling]), ``master.to(dtype)`` elsewhere."""
 
     def __init__(self, params: list[torch.Tensor], masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                 exp_avg_sqs: list[torch.Tensor], runs: list[list[Run]], scaler: Fp8WeightScaler,
+                 exp_avg_sqs: list[torch.Tensor], runs: list[list[Run]], scaler: WeightQuantizers,
                  device: torch.device) -> None:
         super().__init__(masters, exp_avgs, exp_avg_sqs, runs, scaler, device)
         self.params = params
@@ -205,7 +205,7 @@ class FSDP2Engine:
             self.exp_avg_sq.append(torch.zeros(local.numel(), dtype=state_dtype, device=device))
         fp8 = {i: t for i, t in ((i, local_shard(p)) for i, p in enumerate(params))
                if isinstance(t, Float8Tensor)}
-        self.fp8 = Fp8WeightScaler(fp8, fp8_weight_scaling, delayed_scaling, device)
+        self.fp8 = WeightQuantizers(fp8, fp8_weight_scaling, delayed_scaling, device)
         runs: list[list[Run]] = [[] for _ in range(num_groups)]
         for i, m in enumerate(self.master):
             if m.numel():

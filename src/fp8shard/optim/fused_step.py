@@ -32,7 +32,8 @@ arithmetic here ([Note: step kernel]).
     c10's conversion), and the amax is exact. Every op here has a PyTorch reference
     implementation (``_*_reference``), used where Triton is not (CPU;
     ``fp8shard.set_triton(False)``), which reproduces what ``adam_``,
-    ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute.
+    ``Fp8WeightScaler.local_amax`` and ``cast_region`` compute; the reference cast is the
+    per-tensor quantizer's own (``TensorwiseQuantizer.cast_scaled``, [Note: quantizer]).
 
     ``FusedKernel`` (at the end) is the optimizer's step kernel made of these ops
     ([Note: step kernel] in step_kernel.py): it builds the tile tables once and asks
@@ -50,12 +51,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp8shard._triton import use_triton
-from fp8shard.fp8 import Fp8Format, cast_to_fp8
+from fp8shard.fp8 import Fp8Format
+from fp8shard.fp8.quantizer import TensorwiseQuantizer, WeightQuantizers
 from fp8shard.optim.buffers import RegionBuffers
 from fp8shard.optim.layout import ShardPiece
 
 if TYPE_CHECKING:
-    from fp8shard.optim.fp8_weights import Fp8WeightScaler
     from fp8shard.optim.step_kernel import StepGrads
 
 Run = tuple[int, int, int]
@@ -156,7 +157,7 @@ class ReferenceKernel:
 
     def __init__(self, masters: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                  exp_avg_sqs: Sequence[torch.Tensor], runs: list[list[Run]],
-                 scaler: Fp8WeightScaler, device: torch.device) -> None:
+                 scaler: WeightQuantizers, device: torch.device) -> None:
         self.masters, self.exp_avgs, self.exp_avg_sqs = list(masters), list(exp_avgs), list(exp_avg_sqs)
         self.runs = runs
         self.fp8 = scaler
@@ -429,9 +430,14 @@ def _adam_reference(rb: RegionBuffers, table: TileTable, scalars: Sequence[AdamS
             rb.param_buffer[b:b + n].copy_(rb.master[a:a + n])
 
 
+_PER_TENSOR = TensorwiseQuantizer()
+"""The fused step's weights are per tensor (current or delayed: one cast): kernel 2's reference op is
+this quantizer's ``cast_scaled``, one call per run of a parameter with its slot's scale."""
+
+
 def _cast_reference(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, fmt: Fp8Format) -> None:
     for a, b, n, s in table.spans():
-        cast_to_fp8(rb.master[a:a + n], scale[s], fmt, out=rb.param_buffer[b:b + n])
+        _PER_TENSOR.cast_scaled(rb.master[a:a + n], scale[s], fmt, "weight", out=rb.param_buffer[b:b + n])
 
 
 # ============================================================================ the optimizer's use
@@ -446,7 +452,7 @@ class FusedKernel:
     """
 
     def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
-                 scaler: Fp8WeightScaler, block: int = DEFAULT_BLOCK) -> None:
+                 scaler: WeightQuantizers, block: int = DEFAULT_BLOCK) -> None:
         if scaler.tiled:
             raise ValueError("step_kernel='fused' casts per-tensor FP8 weights only; these are rowwise or "
                              "blockwise ([Note: tiled weight casts]): use step_kernel='reference' or 'auto'")
