@@ -10,7 +10,6 @@ every 2 steps, so a resume from an odd step must restore the half-filled loss wi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from fp8shard.checkpoint import latest_checkpoint, list_checkpoints, read_manifest
 from tests.reliability.common import checkpoint_tensors
-from tests.train.helpers import TINY, kill_pids, process_tree, read_metrics, run_train, train_command
+from tests.train.helpers import TINY, cpu_env, kill_pids, process_tree, read_metrics, run_train, train_command
 
 FAST = [*TINY, "model.hidden_size=32", "data.num_train_tokens=60000", "data.num_val_tokens=8000",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2", "trainer.val_check_interval=20",
@@ -92,7 +91,7 @@ def _kill_during_a_save(args: list[str], root: Path) -> list[str] | None:
     """Start the run; SIGKILL torchrun and both ranks as soon as the save of an even step from 6
     on is in progress (its temporary directory exists), so the newest complete checkpoint is of
     an odd step, inside a log window. Returns what was being written, or None."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = cpu_env()
     proc = subprocess.Popen([*train_command(2), *args], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen, tree, deadline = None, [], time.monotonic() + 120

@@ -30,6 +30,10 @@ def test_losses_match_flat_engine_on_gpu(dist_pools):
 
 @pytest.mark.gpu
 def test_all_gather_moves_fp8_bytes_on_nccl(dist_pools):
+    # At world size 1 FSDP2 (torch 2.11) gathers nothing: the wire needs two GPUs.
+    if _ranks() < 2:
+        pytest.skip("needs 2 GPUs (FSDP2 does not gather at world size 1): "
+                    "bash benchmarks/run_multi_gpu.sh tests")
     r = dist_pools(_ranks()).run(cases.wire_bytes)[0]
     assert r["keys"][0] == "all_gather.params.uint8"
     assert r["bytes_per_elem_per_step"] == pytest.approx(1.0)

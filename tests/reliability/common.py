@@ -4,7 +4,6 @@ digests, and every tensor of a checkpoint."""
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from fp8shard.checkpoint.planner import PiecesLoadPlanner, SafeFileSystemReader,
 from fp8shard.fp8 import Float8Tensor
 from fp8shard.testing.faults import Faults
 from fp8shard.testing.faults import command as fault_command
-from tests.train.helpers import TINY, kill_pids, process_tree
+from tests.train.helpers import TINY, cpu_env, kill_pids, process_tree
 
 # TINY, cut further: 2 steps of a tiny model on a small corpus take about a second in-process.
 SMALL = [*TINY, "data.num_train_tokens=40000", "data.num_val_tokens=10000", "trainer.limit_val_batches=1",
@@ -68,7 +67,7 @@ def torchrun(run_dir: Path, overrides: list[str], env: dict[str, str] | None = N
                 f"--max-restarts={max_restarts}"]
     head = fault_command(faults, launcher) if faults is not None else [*launcher, "-m", "fp8shard.train"]
     cmd = [*head, *overrides, f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = cpu_env(**(env or {}))
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                           start_new_session=True) as p:
         try:

@@ -25,7 +25,7 @@ from fp8shard.train.data import DataFileChanged, TokenFile
 from fp8shard.train.loop import Trainer
 from fp8shard.train.rundir import LOCK_NAME
 from tests.reliability.common import SMALL, kill_tree, run_args, tree_digest
-from tests.train.helpers import read_summary
+from tests.train.helpers import cpu_env, read_summary
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -178,7 +178,7 @@ def _launch(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "fp8shard.train", *overrides, f"exp_manager.exp_dir={run_dir.parent}",
            f"exp_manager.name={run_dir.name}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = cpu_env()
     with log.open("w") as f:  # a file, not a pipe: nobody reads while it runs
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)

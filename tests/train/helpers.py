@@ -23,6 +23,13 @@ TINY = [
 ]
 
 
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment of a training subprocess in a CPU test: one thread per rank, no GPU (on a
+    GPU machine the command would otherwise pick NCCL and need one GPU per rank)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+            **extra}
+
+
 def train_command(nproc: int, faults: Faults | None = None) -> list[str]:
     """``python -m fp8shard.train`` or its torchrun; with ``faults``, through
     ``-m fp8shard.testing.faults --faults JSON`` (which runs the same command with them)."""
@@ -43,7 +50,7 @@ def run_train(run_dir: Path, overrides: list[str], nproc: int = 1, timeout: floa
     The command runs in its own session so a timeout ends torchrun and its workers together.
     """
     args = [*overrides, f"exp_manager.exp_dir={run_dir.parent}", f"exp_manager.name={run_dir.name}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = cpu_env()
     cmd = [*train_command(nproc, faults), *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                           start_new_session=True) as p:

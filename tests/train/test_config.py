@@ -193,3 +193,20 @@ def test_the_transformer_shape_is_declared_once():
     g = gpt_config(cfg, 300)
     assert {k: getattr(g, k) for k in shape} == {k: getattr(cfg.model, k) for k in shape}
     assert (g.num_layers, g.activation, g.bias, g.vocab_size) == (3, "swiglu", False, 300)
+
+
+@pytest.mark.parametrize("accelerator", ["auto", "gpu"], ids=["auto", "named"])
+def test_more_ranks_than_gpus_is_a_clear_error_before_nccl(monkeypatch, accelerator):
+    """Two ranks on a node with one GPU: a ConfigError naming the fix, not NCCL's 'Duplicate GPU
+    detected' from inside init_process_group (which must not be reached)."""
+    from fp8shard.train import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda *a, **k: pytest.fail("init_process_group reached"))
+    with pytest.raises(ConfigError, match=r"2 processes on this node but 1 GPU.*--nproc-per-node=1.*"
+                                          r"trainer\.accelerator=cpu"):
+        distributed.init_distributed(accelerator)

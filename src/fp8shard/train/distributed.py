@@ -45,12 +45,27 @@ def use_cuda(accelerator: str) -> bool:
     return accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def _check_one_gpu_per_rank(accelerator: str, world_size: int) -> None:
+    """NCCL needs a GPU per rank of this node; without one, a clear error before the process group
+    (NCCL would only say 'Duplicate GPU detected')."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count()
+    if world_size > 1 and gpus < local:
+        from fp8shard.train.config import ConfigError
+
+        raise ConfigError(
+            f"trainer.accelerator={accelerator}: {local} processes on this node but {gpus} GPU(s) "
+            f"visible, and NCCL needs one GPU per rank: launch with torchrun --nproc-per-node={gpus} "
+            f"or train on the CPU with trainer.accelerator=cpu (gloo)")
+
+
 def init_distributed(accelerator: str, timeout_s: float = 600.0) -> DistEnv:
     """Pick the device, then initialize the process group when launched with several ranks."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = launched_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda(accelerator):
+        _check_one_gpu_per_rank(accelerator, world_size)
         device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
         backend = "nccl"
