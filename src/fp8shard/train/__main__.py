@@ -110,7 +110,10 @@ def _run(argv: list[str], state: dict[str, Any], faults: FaultHooks | None = Non
     from fp8shard.train.report_hook import draw_plots
     from fp8shard.train.rundir import RunDirInUse
 
-    env = state["env"] = init_distributed(cfg.trainer.accelerator, cfg.trainer.collective_timeout_s)
+    try:
+        env = state["env"] = init_distributed(cfg.trainer.accelerator, cfg.trainer.collective_timeout_s)
+    except ConfigError as e:  # e.g. more ranks than GPUs: one line, before NCCL
+        return _error(str(e))
     code = 0
     try:
         trainer = state["trainer"] = Trainer(cfg, env, faults=faults)

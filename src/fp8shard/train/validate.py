@@ -115,9 +115,7 @@ def _devices(cfg: Config, world_size: int) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.accelerator=gpu but CUDA is not available here; "
                               "valid choices: cpu, auto (or run on a GPU machine)")
-        if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size)):
-            raise ConfigError(f"trainer.accelerator=gpu needs one GPU per rank: {world_size} ranks, "
-                              f"{torch.cuda.device_count()} GPU(s)")
+        # one GPU per rank: checked by init_distributed, before the process group
 
 
 def _batch(cfg: Config, world_size: int) -> None:
