@@ -141,7 +141,8 @@ def test_config_mismatches_name_the_differing_keys(tmp_path):
 # ---------------------------------------------------------------------------- the script's checks
 @pytest.mark.parametrize("argv, message", [
     (["--recipes", "bf16,fp8-magic"],
-     "unknown recipe(s) fp8-magic in --recipes: choose among bf16, fp8-delayed, fp8-current"),
+     "unknown recipe(s) fp8-magic in --recipes: choose among bf16, fp8-delayed, fp8-current, "
+     "fp8-rowwise, fp8-blockwise"),
     (["--recipes", "fp8-delayed,fp8-current"], "--recipes must include bf16"),
     (["--seeds", "1"], "--seeds needs at least 2 different seeds"),
     (["--seeds", "1,x"], "--seeds must be comma-separated integers"),

@@ -103,9 +103,10 @@ def test_missing_metadata_is_incomplete(saved, fresh, tmp_path):
 def test_newer_format_version(saved, fresh, tmp_path):
     ck = _copy(saved[0], tmp_path / "step_2")
     m = json.loads((ck / "manifest.json").read_text())
-    m["version"] = 2
+    assert m["version"] == 1  # per-tensor FP8 weights: what every release reads
+    m["version"] = 3
     (ck / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CheckpointFormatError, match=r"format version 2.*reads versions up to 1.*upgrade"):
+    with pytest.raises(CheckpointFormatError, match=r"format version 3.*reads versions up to 2.*upgrade"):
         load_checkpoint(ck, *fresh)
 
 

@@ -34,6 +34,19 @@ def test_manifest_names_each_weight_tile(saved):
         assert all(b[0] == 1 for b in blocks.values())
 
 
+def test_scale_grids_are_format_version_2_which_a_version_1_reader_refuses(saved, monkeypatch):
+    """A reader of version 1 would take a weight's scale grid for one scale: it must refuse the
+    checkpoint (naming the upgrade), not misread it."""
+    from fp8shard.checkpoint import manifest
+    from fp8shard.checkpoint.errors import CheckpointFormatError
+
+    _, path, _ = saved
+    assert read_manifest(Path(path))["version"] == 2
+    monkeypatch.setattr(manifest, "VERSION", 1)
+    with pytest.raises(CheckpointFormatError, match=r"format version 2 .*reads versions up to 1: upgrade"):
+        read_manifest(Path(path))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_load_at_any_world_size_is_bit_exact(saved, dist_pools, world_size):
     recipe, path, out = saved

@@ -54,8 +54,8 @@ from fp8shard.checkpoint.errors import (
 from fp8shard.checkpoint.manifest import (
     FORMAT,
     MANIFEST,
-    VERSION,
     check_storage_listed,
+    format_version,
     manifest_or_none,
     read_manifest,
     sha256_file,
@@ -260,7 +260,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         if save_rng:
             tensors.update(capture_rng(rank))
         s = step if step is not None else (section or {}).get("step")
-        manifest = {"format": FORMAT, "version": VERSION, "step": s, "world_size": world,
+        manifest = {"format": FORMAT, "version": format_version(entries), "step": s, "world_size": world,
                     "fp8shard_version": fp8shard.__version__, "torch_version": torch.__version__,
                     "rng_saved": save_rng, "model": entries, "optimizer": section, "extra": extra or {}}
         try:

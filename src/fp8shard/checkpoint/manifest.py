@@ -25,8 +25,13 @@ from fp8shard.checkpoint.planner import is_plain_name, regular_file_size
 from fp8shard.fp8 import Fp8Format
 
 FORMAT = "fp8shard.checkpoint"
-VERSION = 1
-"""Checkpoint format version; loading refuses a newer one. Bump when keys or meanings change."""
+VERSION = 2
+"""The newest checkpoint format version this fp8shard reads; loading refuses a newer one. Bump
+when keys or meanings change. Version 2 added FP8 weights with a scale per row or block
+(``fp8_block`` in a model entry); a checkpoint without them is written as version 1, so that
+releases reading only version 1 still load it (``format_version``)."""
+V1 = 1
+"""Per-tensor FP8 scales only."""
 MANIFEST = "manifest.json"
 MAX_STEP = 2**53
 """Largest step a manifest may name (exact as a float64, far beyond any run)."""
@@ -35,6 +40,13 @@ MAX_MANIFEST_BYTES = 256 << 20
 """A manifest is a few KB per hundred parameters; anything past this is refused unread."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FP8_FORMATS = tuple(f.value for f in Fp8Format)
+
+
+def format_version(entries: dict[str, dict[str, Any]]) -> int:
+    """The version a checkpoint of these model entries is written in: 2 when a weight carries a
+    scale grid (``fp8_block``: an older reader would take its scales for one per tensor and
+    misread every tile), else 1."""
+    return VERSION if any(e.get("fp8_block") for e in entries.values()) else V1
 
 
 def sha256_file(path: Path) -> str:
