@@ -76,121 +76,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accounting import WIRE_COUNTS, count_wire_bytes, ddp_counting_hook, persistent_bytes  # benchmarks/
+
 SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
            "reference-bf16", "torchao-float8", "fp8shard-fsdp2"]
 SINGLE = ("reference-bf16", "torchao-float8")  # world size 1 by definition
 REFERENCE = "reference-bf16"
 COMPILED = "+compile"  # suffix of an fp8shard system run compiled in place (--compile)
 COMPILABLE = ("fp8shard-fp8", "fp8shard-bf16")  # the FSDP2 engine trains eager (docs/engines.md)
-
-# ----------------------------------------------------------------------------- wire accounting
-
-_COUNTS: dict[str, int] = {}
-_WRAPPED = {
-    "all_reduce": lambda a, k: _first_tensor(a, k, "tensor"),
-    "all_gather_into_tensor": lambda a, k: _first_tensor(a, k, "output_tensor"),
-    "reduce_scatter_tensor": lambda a, k: _nth(a, k, 1, "input"),
-    "broadcast": lambda a, k: _first_tensor(a, k, "tensor"),
-    "all_gather": lambda a, k: _nth(a, k, 1, "tensor"),
-    # torch >= 2.12 names (FSDP2 and fp8shard call these when they exist)
-    "all_gather_single": lambda a, k: _first_tensor(a, k, "output_tensor"),
-    "reduce_scatter_single": lambda a, k: _nth(a, k, 1, "input"),
-}
-
-
-def _first_tensor(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
-    return args[0] if args else kwargs[name]
-
-
-def _nth(args: tuple, kwargs: dict, i: int, name: str) -> torch.Tensor:
-    return args[i] if len(args) > i else kwargs[name]
-
-
-def _nbytes(t: Any) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    if hasattr(t, "_local_tensor"):
-        t = t._local_tensor
-    return t.numel() * t.element_size()
-
-
-@contextlib.contextmanager
-def count_wire_bytes():
-    """Wrap torch.distributed's collectives; ``_COUNTS[name]`` accumulates full-buffer bytes."""
-    originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            buf = _WRAPPED[name](args, kwargs)
-            if name == "all_gather":  # list output, input tensor: count the output list
-                buf = args[0] if args else kwargs["tensor_list"]
-            _COUNTS[name] = _COUNTS.get(name, 0) + _nbytes(buf)
-            return fn(*args, **kwargs)
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-def _ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against GradBucket
-    """DDP's default all-reduce (average), sent through the counted ``dist.all_reduce``."""
-    buf = bucket.buffer()
-    buf.div_(dist.get_world_size())
-    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-# ----------------------------------------------------------------------------- memory accounting
-
-def persistent_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
-    """Bytes of every distinct storage reachable from params, grads and optimizer state."""
-    from fp8shard import Float8Tensor
-
-    seen: set[tuple[int, int]] = set()
-
-    def storages(t: Any) -> list[torch.Tensor]:
-        if t is None or not isinstance(t, torch.Tensor):
-            return []
-        if hasattr(t, "_local_tensor"):  # DTensor (FSDP2)
-            return storages(t._local_tensor)
-        if isinstance(t, Float8Tensor):
-            return [t.fp8_data, t.scale_inv]
-        if type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
-            return storages(t._tensor)
-        return [t]
-
-    def count(ts: list[torch.Tensor]) -> int:
-        total = 0
-        for x in ts:
-            if x.device.type == "meta":
-                continue
-            s = x.untyped_storage()
-            key = (s.data_ptr(), s.nbytes())
-            if key not in seen and s.nbytes() > 0:
-                seen.add(key)
-                total += s.nbytes()
-        return total
-
-    out = {"weights": 0, "grads": 0, "optimizer": 0}
-    params = list(model.parameters())
-    out["weights"] = count([s for p in params for s in storages(p)])
-    if hasattr(optimizer, "memory_report"):  # fp8shard: buffers the optimizer owns
-        rep = optimizer.memory_report()
-        out["grads"] = int(rep.get("grad_buffers", 0))
-        out["optimizer"] = int(sum(v for k, v in rep.items()
-                                   if k in ("master", "optimizer_states", "exp_avg", "exp_avg_sq")))
-        return out
-    out["grads"] = count([s for p in params for s in storages(p.grad)])
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps one
-    states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    out["optimizer"] = count([s for v in states for s in storages(v)])
-    return out
-
 
 # ----------------------------------------------------------------------------- one system
 
@@ -343,7 +236,7 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         # gradient_as_bucket_view: the grads are DDP's buckets, so the walk below counts them
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, _ddp_counting_hook)
+        ddp.register_comm_hook(None, ddp_counting_hook)
         if system == "ddp-adamw":
             opt = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0)
         else:
@@ -414,11 +307,11 @@ def run_system(system: str, cfg: dict) -> dict:
     if cfg["gpu"]:
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    _COUNTS.clear()
+    WIRE_COUNTS.clear()
     with count_wire_bytes():
         for step, (x, y) in enumerate(_batches(cfg, rank, world, device)):
             if step == cfg["warmup"]:
-                _COUNTS.clear()
+                WIRE_COUNTS.clear()
             if cfg["gpu"]:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -456,7 +349,7 @@ def run_system(system: str, cfg: dict) -> dict:
         "peak_mem_mb": peak / 2**20,
         "bytes_per_param": {k: v / total_params for k, v in mem.items()},
         "bytes_per_param_total": sum(mem.values()) / total_params,
-        "wire_bytes_per_step": {k: v // timed for k, v in sorted(_COUNTS.items())},
+        "wire_bytes_per_step": {k: v // timed for k, v in sorted(WIRE_COUNTS.items())},
         "loss": float(loss_t),
         "params": total_params,
         "param_elems_by_dtype": stored,

@@ -13,14 +13,13 @@ import fp8shard
 from fp8shard.optim import fused_step as fs
 from tests.optim.test_fused_step import (
     LAYOUTS,
-    _run_opt,
     _train,
-    assert_optimizers_close,
     check_cast_keeps_nan_and_saturates,
     check_fp8_encoding,
     check_kernels,
     check_layout,
 )
+from tests.optim.test_fused_step_optimizer import _run_opt, assert_optimizers_close
 
 
 @pytest.fixture

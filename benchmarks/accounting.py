@@ -1,0 +1,124 @@
+"""What a training step keeps and moves, counted the same way for every system of compare_peers.py.
+
+wire bytes: torch.distributed's collectives wrapped while ``count_wire_bytes()`` is open (and
+DDP's all-reduce sent through them by ``ddp_counting_hook``), each call counted as the full
+buffer it reduces or gathers, accumulated per collective in ``WIRE_COUNTS``. persistent bytes:
+every distinct storage reachable from the parameters, their gradients and the optimizer state
+(``persistent_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- wire bytes
+WIRE_COUNTS: dict[str, int] = {}
+_WRAPPED = {
+    "all_reduce": lambda a, k: _first_tensor(a, k, "tensor"),
+    "all_gather_into_tensor": lambda a, k: _first_tensor(a, k, "output_tensor"),
+    "reduce_scatter_tensor": lambda a, k: _nth(a, k, 1, "input"),
+    "broadcast": lambda a, k: _first_tensor(a, k, "tensor"),
+    "all_gather": lambda a, k: _nth(a, k, 1, "tensor"),
+    # torch >= 2.12 names (FSDP2 and fp8shard call these when they exist)
+    "all_gather_single": lambda a, k: _first_tensor(a, k, "output_tensor"),
+    "reduce_scatter_single": lambda a, k: _nth(a, k, 1, "input"),
+}
+
+
+def _first_tensor(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
+    return args[0] if args else kwargs[name]
+
+
+def _nth(args: tuple, kwargs: dict, i: int, name: str) -> torch.Tensor:
+    return args[i] if len(args) > i else kwargs[name]
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    if hasattr(t, "_local_tensor"):
+        t = t._local_tensor
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def count_wire_bytes():
+    """Wrap torch.distributed's collectives; ``WIRE_COUNTS[name]`` accumulates full-buffer bytes."""
+    originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            buf = _WRAPPED[name](args, kwargs)
+            if name == "all_gather":  # list output, input tensor: count the output list
+                buf = args[0] if args else kwargs["tensor_list"]
+            WIRE_COUNTS[name] = WIRE_COUNTS.get(name, 0) + _nbytes(buf)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against GradBucket
+    """DDP's default all-reduce (average), sent through the counted ``dist.all_reduce``."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+# ----------------------------------------------------------------------------- persistent bytes
+
+def persistent_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of every distinct storage reachable from params, grads and optimizer state."""
+    from fp8shard import Float8Tensor
+
+    seen: set[tuple[int, int]] = set()
+
+    def storages(t: Any) -> list[torch.Tensor]:
+        if t is None or not isinstance(t, torch.Tensor):
+            return []
+        if hasattr(t, "_local_tensor"):  # DTensor (FSDP2)
+            return storages(t._local_tensor)
+        if isinstance(t, Float8Tensor):
+            return [t.fp8_data, t.scale_inv]
+        if type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
+            return storages(t._tensor)
+        return [t]
+
+    def count(ts: list[torch.Tensor]) -> int:
+        total = 0
+        for x in ts:
+            if x.device.type == "meta":
+                continue
+            s = x.untyped_storage()
+            key = (s.data_ptr(), s.nbytes())
+            if key not in seen and s.nbytes() > 0:
+                seen.add(key)
+                total += s.nbytes()
+        return total
+
+    out = {"weights": 0, "grads": 0, "optimizer": 0}
+    params = list(model.parameters())
+    out["weights"] = count([s for p in params for s in storages(p)])
+    if hasattr(optimizer, "memory_report"):  # fp8shard: buffers the optimizer owns
+        rep = optimizer.memory_report()
+        out["grads"] = int(rep.get("grad_buffers", 0))
+        out["optimizer"] = int(sum(v for k, v in rep.items()
+                                   if k in ("master", "optimizer_states", "exp_avg", "exp_avg_sq")))
+        return out
+    out["grads"] = count([s for p in params for s in storages(p.grad)])
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps one
+    states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    out["optimizer"] = count([s for v in states for s in storages(v)])
+    return out
