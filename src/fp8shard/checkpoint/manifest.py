@@ -30,8 +30,6 @@ VERSION = 2
 when keys or meanings change. Version 2 added FP8 weights with a scale per row or block
 (``fp8_block`` in a model entry); a checkpoint without them is written as version 1, so that
 releases reading only version 1 still load it (``format_version``)."""
-V1 = 1
-"""Per-tensor FP8 scales only."""
 MANIFEST = "manifest.json"
 MAX_STEP = 2**53
 """Largest step a manifest may name (exact as a float64, far beyond any run)."""
@@ -46,7 +44,7 @@ def format_version(entries: dict[str, dict[str, Any]]) -> int:
     """The version a checkpoint of these model entries is written in: 2 when a weight carries a
     scale grid (``fp8_block``: an older reader would take its scales for one per tensor and
     misread every tile), else 1."""
-    return VERSION if any(e.get("fp8_block") for e in entries.values()) else V1
+    return 2 if any(e.get("fp8_block") for e in entries.values()) else 1
 
 
 def sha256_file(path: Path) -> str:
