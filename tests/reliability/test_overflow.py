@@ -67,6 +67,24 @@ def test_a_spike_is_reported_by_layer_and_operand():
     assert mon.poll() == []
 
 
+def test_monitors_of_two_models_each_see_their_own_layers():
+    """A monitor is held by the layers it watches, not by the process: a spike in one model is
+    reported by that model's monitor only, and a closed monitor leaves no trace on the layers."""
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    with OverflowMonitor(a, factor=4.0) as mon_a, OverflowMonitor(b, factor=4.0) as mon_b:
+        assert a.fc1._fp8_monitors == (mon_a,) and b.fc1._fp8_monitors == (mon_b,)
+        for _ in range(4):
+            _step(a, torch.randn(64, 16))
+            _step(b, torch.randn(64, 16))
+        mon_a.poll(), mon_b.poll()
+        x = torch.randn(64, 16)
+        x[3, 5] = 1000.0
+        _step(b, x)
+        assert mon_a.poll() == [] and ("fc1", "input") in {(o.layer, o.operand) for o in mon_b.poll()}
+    assert a.fc1._fp8_monitors == () and b.fc1._fp8_monitors == ()
+
+
 def test_the_informed_first_call_is_not_an_overflow():
     """A layer's first delayed-scaling call casts as current scaling ([Note: informed first
     call] in nn/linear.py): it cannot saturate, so an amax far beyond 448 at the initial scale 1

@@ -190,6 +190,7 @@ class Linear(torch.nn.Linear):
         self._amax_state: AmaxHistory | None = None
         self._fp8_history_empty = True  # [Note: informed first call]
         self._fp8_unscaled_since_update = False  # its first call ran since the last amax update
+        self._fp8_monitors: tuple = ()  # the open OverflowMonitors watching it ([Note: overflow check])
         self._preserve_hp_init = bool(init_state and init_state.preserve_high_precision_init_val)
         if init_state is not None:
             self._store_weight_as_fp8(init_state.recipe)

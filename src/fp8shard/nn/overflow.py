@@ -22,7 +22,9 @@
     (E5M2 with HYBRID). Every rank sees the same hits (the amaxes are reduced first). Current
     scaling takes the scale from the tensor being cast: it cannot overflow.
 
-Nothing is observed while no monitor is open, so the reduction costs what it did before.
+An open monitor is held by the layers it watches (``Linear._fp8_monitors``), not by a module-level
+list: the amax reduction asks the layers it updates. Nothing is observed while no monitor is
+open, so the reduction costs what it did before.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import torch
 from torch import nn
 
 OPERANDS = ("input", "weight", "grad_output")
-_monitors: list[OverflowMonitor] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,7 @@ class OverflowMonitor:
             raise ValueError(f"OverflowMonitor(factor=...) must be >= 1, got {factor}")
         self.factor = float(factor)
         self.names = {id(m): name for name, m in model.named_modules()}
+        self._layers = [m for m in model.modules() if hasattr(m, "_fp8_monitors")]  # fs.nn.Linear
         self._acc: dict[tuple[int, ...], tuple[_Accumulator, list[int], tuple[Any, ...]]] = {}
         self._retired: list[_Accumulator] = []
         self.overflows = 0
@@ -162,13 +164,14 @@ class OverflowMonitor:
         """Whether OVERFLOW_NOTE was handed out (``note_for``)."""
 
     def open(self) -> OverflowMonitor:
-        if self not in _monitors:
-            _monitors.append(self)
+        for layer in self._layers:
+            if not any(m is self for m in layer._fp8_monitors):
+                layer._fp8_monitors = (*layer._fp8_monitors, self)
         return self
 
     def close(self) -> None:
-        if self in _monitors:
-            _monitors.remove(self)
+        for layer in self._layers:
+            layer._fp8_monitors = tuple(m for m in layer._fp8_monitors if m is not self)
 
     def __enter__(self) -> OverflowMonitor:
         return self.open()
@@ -228,6 +231,11 @@ class OverflowMonitor:
 
 def observe(layers: list[Any], packed: torch.Tensor) -> None:
     """Called by the amax reduction with the reduced amaxes of ``layers`` ([n, 3]) before their
-    scales are updated; a no-op unless a monitor is open."""
-    for monitor in _monitors:
+    scales are updated; a no-op unless a monitor watching one of them is open."""
+    monitors: list[OverflowMonitor] = []
+    for layer in layers:
+        for m in getattr(layer, "_fp8_monitors", ()):
+            if all(m is not n for n in monitors):
+                monitors.append(m)
+    for monitor in monitors:
         monitor._observe(layers, packed)
