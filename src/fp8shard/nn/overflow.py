@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp8shard.nn.linear import Linear
+
 OPERANDS = ("input", "weight", "grad_output")
 
 
@@ -151,7 +153,7 @@ class OverflowMonitor:
             raise ValueError(f"OverflowMonitor(factor=...) must be >= 1, got {factor}")
         self.factor = float(factor)
         self.names = {id(m): name for name, m in model.named_modules()}
-        self._layers = [m for m in model.modules() if hasattr(m, "_fp8_monitors")]  # fs.nn.Linear
+        self._layers = [m for m in model.modules() if isinstance(m, Linear)]
         self._acc: dict[tuple[int, ...], tuple[_Accumulator, list[int], tuple[Any, ...]]] = {}
         self._retired: list[_Accumulator] = []
         self.overflows = 0
@@ -165,7 +167,7 @@ class OverflowMonitor:
 
     def open(self) -> OverflowMonitor:
         for layer in self._layers:
-            if not any(m is self for m in layer._fp8_monitors):
+            if self not in layer._fp8_monitors:
                 layer._fp8_monitors = (*layer._fp8_monitors, self)
         return self
 
@@ -232,10 +234,6 @@ class OverflowMonitor:
 def observe(layers: list[Any], packed: torch.Tensor) -> None:
     """Called by the amax reduction with the reduced amaxes of ``layers`` ([n, 3]) before their
     scales are updated; a no-op unless a monitor watching one of them is open."""
-    monitors: list[OverflowMonitor] = []
-    for layer in layers:
-        for m in getattr(layer, "_fp8_monitors", ()):
-            if all(m is not n for n in monitors):
-                monitors.append(m)
+    monitors = dict.fromkeys(m for layer in layers for m in layer._fp8_monitors)  # once each, in order
     for monitor in monitors:
         monitor._observe(layers, packed)
