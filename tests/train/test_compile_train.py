@@ -4,7 +4,9 @@ The compiled run must train like the eager one: per-step losses within a relativ
 (observed: 3e-5 with the aot_eager backend, 6e-5 with Inductor; the two differ only in how bf16
 autocast ops are decomposed), its checkpoints must hold the eager model's keys (in-place
 ``Module.compile``: no ``_orig_mod.``), and a compiled run resumed from its own checkpoint
-continues as the uninterrupted one. Dynamo + AOT autograd are exercised with ``aot_eager``
+continues as the uninterrupted one. Each compiled graph is traced once per run ([Note: compiled
+first call]): the informed first call and validation do not trace the model again.
+Dynamo + AOT autograd are exercised with ``aot_eager``
 (``trainer.compile_backend=aot_eager``): Inductor's CPU codegen would triple the time and is tested in
 tests/nn/test_compile_graph.py.
 """
@@ -33,6 +35,7 @@ def runs(tmp_path_factory):
     run_train(root / "compiled", [*OVERRIDES, *compiled], nproc=2)
     step2 = root / "compiled" / "checkpoints" / "step_00000002"
     run_train(root / "resumed", [*OVERRIDES[:-1], *compiled, f"trainer.resume={step2}"], nproc=2)
+    run_train(root / "one", [*OVERRIDES, *compiled], nproc=1)  # compile_scope auto: one graph
     return root
 
 
@@ -64,3 +67,17 @@ def test_compiled_run_resumes_from_its_checkpoint(runs):
     assert [r["step"] for r in resumed] == [3, 4]
     for r in resumed:
         assert r["loss"] == pytest.approx(full[r["step"]], rel=1e-5), r["step"]
+
+
+def test_each_region_is_compiled_once_per_run(runs):
+    # [Note: compiled first call]: the first forward of a fresh delayed-scaling run is eager and
+    # validation (no grad, eval mode) runs eagerly where nothing is compiled for it, so the run
+    # traces each region once: 2 processes compile embed, the blocks' shared graph and head (3);
+    # the resumed run (its histories loaded) the same; one process the whole GPT as one graph.
+    expected = {"compiled": 3, "resumed": 3, "one": 1}
+    for name, graphs in expected.items():
+        summary = json.loads((runs / name / "summary.json").read_text())
+        assert summary["compiled_graphs"] == graphs, name
+        assert read_metrics(runs / name)[-1]["val_loss"] is not None, name  # validation ran
+    one = read_metrics(runs / "one")
+    assert [r["step"] for r in one] == list(range(1, STEPS + 1)) and one[-1]["loss"] < one[0]["loss"]

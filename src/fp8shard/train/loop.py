@@ -43,6 +43,7 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
+from fp8shard.nn.linear import first_call_pending
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
@@ -178,6 +179,8 @@ class Trainer:
             compile_model(self.model, self.recipe if m.fp8 else None, self.compile_scope, t.compile_backend,
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
+        # [Note: compiled first call]: decided at the first forward (after any resume)
+        self.eager_first_call: bool | None = None if self.compiled and delayed else False
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
@@ -292,6 +295,25 @@ class Trainer:
             stack.enter_context(fs.fp8_autocast(enabled=True, recipe=self.recipe))
         return stack
 
+    def _first_call_stance(self) -> Any:
+        """[Note: compiled first call]
+            A compiled model is traced at its first call and again whenever a guard fails. Two
+            things would cost a whole extra compilation of the model (minutes for a GPT on the
+            GPU, where the one that counts is already a minute or more): under delayed scaling,
+            the informed first call ([Note: informed first call]) takes another branch than
+            every later forward; validation runs without grad and in eval mode. So the first
+            training forward of a run whose layers have not made their first call (a fresh
+            run, not one resumed with a history) runs eagerly (``force_eager``), once, and
+            validation runs what is compiled for it, eagerly where nothing is
+            (``eager_on_recompile``): the run compiles the training graph once.
+        """
+        if self.eager_first_call is None:
+            self.eager_first_call = first_call_pending(self.model)
+        if not self.eager_first_call:
+            return contextlib.nullcontext()
+        self.eager_first_call = False
+        return torch.compiler.set_stance("force_eager")
+
     def _no_sync(self) -> Any:
         if self.is_dfa:
             return self.opt.no_sync()  # type: ignore[attr-defined]
@@ -314,7 +336,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self._no_sync():
-                with self._forward_ctx():
+                with self._forward_ctx(), self._first_call_stance():
                     loss = self.forward_module(x, y)
                 if inject_nan:  # a test's injected non-finite loss, hence gradients
                     loss = loss * float("nan")
@@ -381,7 +403,9 @@ class Trainer:
         cfg, env, m = self.cfg, self.env, self.cfg.model
         n = cfg.trainer.limit_val_batches * m.global_batch_size
         total = count = 0.0
-        with _delayed_scaling_untouched(self.model):
+        stance = (torch.compiler.set_stance("eager_on_recompile") if self.compiled
+                  else contextlib.nullcontext())
+        with _delayed_scaling_untouched(self.model), stance:  # [Note: compiled first call]
             self.model.eval()
             # [Note: validation split]: the same number of forwards on every rank; a rank past
             # the end of its share runs a padding forward that does not count.
@@ -439,6 +463,9 @@ class Trainer:
         summary = self._summary(last_loss, val_loss, timed_tokens / timed_s if timed_s else float("nan"))
         summary["skipped_steps"] = self.skipped_steps
         summary.update(self._fault_counts())
+        if self.compiled:  # graphs this process traced ([Note: compiled first call])
+            from torch._dynamo.utils import counters
+            summary["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
         path = rec.write_summary(summary)
         rec.say(format_summary(summary))
         rec.say(f"summary: {path}")
