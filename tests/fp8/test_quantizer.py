@@ -21,6 +21,7 @@ from fp8shard.fp8.quantizer import (
     quantizer_for,
     tile_amax,
 )
+from fp8shard.fp8.tiled import blockwise_weight_scales
 from fp8shard.testing import sqnr_db
 
 E4M3, E5M2 = fs.Fp8Format.E4M3, fs.Fp8Format.E5M2
@@ -270,9 +271,11 @@ def test_rowwise_scaled_mm_on_sm90_matches_the_emulation(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512, 384), (128, 256, 128)])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (128, 256, 128), (128, 256, 512), (64, 384, 256)])
 def test_blockwise_gemm_on_cuda_matches_the_emulation(shape):
-    """sm90: torch._scaled_mm with DeepSeek scales where this torch has them, else emulated."""
+    """sm90: torch._scaled_mm with DeepSeek scales where this torch has them, else emulated.
+    K of 256 and 384 with several column blocks: the weight's scale grid needs its padded
+    leading dimension there (``blockwise_weight_scales``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     m, k, n = shape
@@ -285,6 +288,19 @@ def test_blockwise_gemm_on_cuda_matches_the_emulation(shape):
         y = q.gemm(lhs, rhs, torch.bfloat16)
         ref = emulated_tiled_mm(lhs, rhs, torch.float32)
         assert sqnr_db(ref, y) >= 45, f"{q.gemm_path(lhs, rhs, torch.bfloat16)}: {sqnr_db(ref, y):.1f} dB"
+
+
+def test_blockwise_weight_scales_have_the_padded_leading_dimension_scaled_mm_reads():
+    """CPU twin of the GPU test above: the 128x128 grid [N/128, K/128] handed to blockwise
+    torch._scaled_mm as [K/128, N/128] column-major with its leading dimension rounded up to a
+    multiple of 4, what the kernel steps by; read that way, it is the grid."""
+    for k_blocks in range(1, 7):
+        grid = torch.rand(3, k_blocks, dtype=torch.float64) + 1
+        s = blockwise_weight_scales(grid)
+        lead = -(-k_blocks // 4) * 4
+        assert s.shape == (k_blocks, 3) and s.stride() == (1, lead) and s.dtype == torch.float32
+        as_read = torch.as_strided(s, (3, k_blocks), (lead, 1))  # column block j at j * lead
+        assert torch.equal(as_read, grid.float()), k_blocks
 
 
 # ------------------------------------------------------------------------------ scales, casts

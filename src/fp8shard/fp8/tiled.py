@@ -270,15 +270,36 @@ class BlockwiseQuantizer(_TiledQuantizer):
     def _scaled_mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
                    bias: torch.Tensor | None) -> torch.Tensor:
         # 1x128 scales [M, K/128] outer-dim-major (stride (1, M)); the second operand's scales
-        # are given for b [K, N] column-major: 128x128 -> [K/128, N/128] with stride (1, K/128),
-        # 1x128 -> [K/128, N] row-major.
+        # are given for b [K, N] column-major: 128x128 -> [K/128, N/128] with a leading
+        # dimension padded to a multiple of 4 (blockwise_weight_scales), 1x128 -> [K/128, N]
+        # row-major.
         scale_a = a.scale_inv.float().t().contiguous().t()
         if b.block == (128, 128):
-            scale_b = b.scale_inv.float().contiguous().t()
+            scale_b = blockwise_weight_scales(b.scale_inv)
         else:
             scale_b = b.scale_inv.float().t().contiguous()
         out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         return out if bias is None else out + bias.to(out_dtype)
+
+
+def blockwise_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The 128x128 scales of ``b`` [N, K] (grid [N/128, K/128]) as blockwise ``torch._scaled_mm``
+    reads them for its second operand: shape [K/128, N/128], column-major, with the leading
+    dimension rounded up to a multiple of 4 (stride (1, round_up(K/128, 4))).
+
+    The kernel reads the grid with that padded leading dimension (torch's layout check of its
+    newer scaled-GEMM API asks for that stride; the ``torch._scaled_mm`` call made here checks
+    only the shape): a grid packed at K/128 (K not a multiple of 512) gave every column block
+    after the first other blocks' scales, and memory past the grid -- wrong outputs, no error
+    (found on an H100 for dx of a 512->256 layer, where K = 256). The padding is ones, unread.
+    With K a multiple of 512 (every GPT shape benchmarked) the grid needs no padding."""
+    n_blocks, k_blocks = scale_inv.shape
+    lead = -(-k_blocks // 4) * 4
+    if lead == k_blocks:
+        return scale_inv.float().contiguous().t()
+    padded = scale_inv.new_ones((n_blocks, lead), dtype=torch.float32)
+    padded[:, :k_blocks] = scale_inv.float()
+    return padded[:, :k_blocks].t()
 
 
 # ------------------------------------------------------------------------------ stored weights
@@ -299,6 +320,6 @@ def weight_block(recipe: Recipe | str, shape: torch.Size | tuple[int, ...]) -> t
 
 
 __all__ = [
-    "BlockwiseQuantizer", "RowwiseQuantizer", "cast_tiles", "emulated_tiled_mm", "mul_tiles",
-    "quantize_tiles", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
+    "BlockwiseQuantizer", "RowwiseQuantizer", "blockwise_weight_scales", "cast_tiles", "emulated_tiled_mm",
+    "mul_tiles", "quantize_tiles", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
 ]
