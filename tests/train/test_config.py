@@ -84,6 +84,7 @@ def test_gpt_125m_preset_is_a_125m_gpt():
     assert (PRESETS_DIR / "gpt_125m.yaml").exists()
     cfg = load_config(["config=gpt_125m"], world_size=8, validate_cfg=False)
     assert cfg.trainer.accelerator == "gpu" and cfg.model.fp8_params
+    assert cfg.model.fp8_recipe == "current"  # the faster recipe on the GPU (docs/benchmarks.md)
     with torch.device("meta"):
         n = GPT(gpt_config(cfg, 50304)).num_params()
     assert 115e6 < n < 135e6, n
