@@ -71,7 +71,9 @@ if want reference; then
   budgeted() {  # budgeted RESERVE_S CMD...
     local left=$((deadline - SECONDS - $1)); shift
     if [ "$left" -lt 30 ]; then echo "+ skipped (budget spent): $*"; return 0; fi
-    run timeout "$left" "$@"
+    # -k: the training command ends at a step boundary on SIGTERM, and a step still compiling
+    # can outlast the box (seen on the H200, 2026-12-06); KILL follows 20 s after TERM.
+    run timeout -k 20 "$left" "$@"
   }
   budgeted 320 $py benchmarks/compare_peers.py --gpu --size 125m \
     --systems reference-bf16,fp8shard-fp8+compile,fp8shard-bf16+compile,torchao-float8 \
