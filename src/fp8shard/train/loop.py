@@ -179,8 +179,8 @@ class Trainer:
             compile_model(self.model, self.recipe if m.fp8 else None, self.compile_scope, t.compile_backend,
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
-        # [Note: compiled first call]: decided at the first forward (after any resume)
-        self.eager_first_call: bool | None = None if self.compiled and delayed else False
+        # [Note: compiled first call] (after any resume: a loaded history needs no first call)
+        self.eager_first_call = self.compiled and delayed and first_call_pending(self.model)
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
@@ -307,8 +307,6 @@ class Trainer:
             validation runs what is compiled for it, eagerly where nothing is
             (``eager_on_recompile``): the run compiles the training graph once.
         """
-        if self.eager_first_call is None:
-            self.eager_first_call = first_call_pending(self.model)
         if not self.eager_first_call:
             return contextlib.nullcontext()
         self.eager_first_call = False
