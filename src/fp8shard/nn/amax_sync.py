@@ -71,6 +71,11 @@ class AmaxSync:
         return [m for m in self.model.modules() if isinstance(m, Linear)
                 and m._amax_state is not None and getattr(m, "fp8_amax_history", None) is not None]
 
+    def first_call_pending(self) -> bool:
+        """Whether one of ``layers()`` has not yet made its informed first call ([Note: informed
+        first call]): its next forward takes the first-call branch ([Note: compiled first call])."""
+        return any(layer._fp8_history_empty for layer in self.layers())
+
     def step(self) -> int:
         """Reduce the amaxes recorded since the last step (one all-reduce) and update every
         layer's scales; returns the number of layers. Call it after each backward."""

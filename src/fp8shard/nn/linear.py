@@ -353,16 +353,6 @@ class Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, fp8_weight={isinstance(self.weight, Float8Tensor)}"
 
 
-def first_call_pending(model: torch.nn.Module) -> bool:
-    """Whether some ``fs.nn.Linear`` of ``model`` with delayed-scaling state has not yet made its
-    informed first call ([Note: informed first call]): its next forward would take the
-    first-call branch. The trainer runs such a forward eagerly when the model is compiled, so
-    the compiled graph is traced once, on the steady branch."""
-    return any(isinstance(m, Linear) and getattr(m, "fp8_amax_history", None) is not None
-               and m._fp8_history_empty
-               for m in model.modules())
-
-
 def prepare_delayed_scaling(model: torch.nn.Module, recipe: object) -> int:
     """Give every ``fs.nn.Linear`` of ``model`` its delayed-scaling state for ``recipe`` now.
 

@@ -43,7 +43,6 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
-from fp8shard.nn.linear import first_call_pending
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
@@ -180,7 +179,8 @@ class Trainer:
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
         # [Note: compiled first call] (after any resume: a loaded history needs no first call)
-        self.eager_first_call = self.compiled and delayed and first_call_pending(self.model)
+        self.eager_first_call = (self.compiled and self.amax_sync is not None
+                                 and self.amax_sync.first_call_pending())
         if t.overwrite and env.is_main:  # every check has passed: the earlier run's files go now
             notes.extend(delete_earlier_run(self.run_dir, self.ckpt_root))
         # Resuming in the same run directory keeps metrics.jsonl up to the checkpoint's step.
