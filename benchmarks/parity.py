@@ -76,12 +76,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=512",
         "model.num_attention_heads=4", "model.encoder_seq_length=64",
         "model.micro_batch_size=16", "model.global_batch_size=16"]},
-    # GPT-2 small (presets/gpt_125m.yaml) on one GPU for 1,000 steps of 64 x 1024 tokens,
-    # compiled, a checkpoint every 100 steps (so a run cut short by a time limit resumes).
+    # GPT-2 small (presets/gpt_125m.yaml) on one GPU for 1,000 steps of 16 x 1024 tokens (16.4M
+    # tokens, under one pass over the generated corpus), compiled, a checkpoint every 250 steps (so a
+    # run cut short by a time limit resumes). `--gpus 0,0,0` runs three seeds at once on one GPU.
     "h200-125m": {"seeds": [1, 2, 3], "overrides": [
         "config=gpt_125m", "trainer.accelerator=gpu", "trainer.max_steps=1000",
-        "trainer.val_check_interval=100", "trainer.limit_val_batches=4", "trainer.compile=true",
-        "checkpoint.every_n_steps=100", "checkpoint.keep_last=1"]},
+        "model.micro_batch_size=16", "model.global_batch_size=16",
+        "trainer.val_check_interval=100", "trainer.limit_val_batches=8", "trainer.compile=true",
+        "checkpoint.every_n_steps=250", "checkpoint.keep_last=1"]},
 }
 
 

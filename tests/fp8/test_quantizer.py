@@ -21,7 +21,7 @@ from fp8shard.fp8.quantizer import (
     quantizer_for,
     tile_amax,
 )
-from fp8shard.fp8.tiled import blockwise_weight_scales
+from fp8shard.fp8.tiled import blockwise_scaled_mm_operands, blockwise_weight_scales
 from fp8shard.testing import sqnr_db
 
 E4M3, E5M2 = fs.Fp8Format.E4M3, fs.Fp8Format.E5M2
@@ -274,8 +274,8 @@ def test_rowwise_scaled_mm_on_sm90_matches_the_emulation(shape):
 @pytest.mark.parametrize("shape", [(256, 512, 384), (128, 256, 128), (128, 256, 512), (64, 384, 256)])
 def test_blockwise_gemm_on_cuda_matches_the_emulation(shape):
     """sm90: torch._scaled_mm with DeepSeek scales where this torch has them, else emulated.
-    K of 256 and 384 with several column blocks: the weight's scale grid needs its padded
-    leading dimension there (``blockwise_weight_scales``)."""
+    K of 256 and 384 with several column blocks: K is padded to 512 there
+    (``blockwise_scaled_mm_operands``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     m, k, n = shape
@@ -290,17 +290,36 @@ def test_blockwise_gemm_on_cuda_matches_the_emulation(shape):
         assert sqnr_db(ref, y) >= 45, f"{q.gemm_path(lhs, rhs, torch.bfloat16)}: {sqnr_db(ref, y):.1f} dB"
 
 
-def test_blockwise_weight_scales_have_the_padded_leading_dimension_scaled_mm_reads():
-    """CPU twin of the GPU test above: the 128x128 grid [N/128, K/128] handed to blockwise
-    torch._scaled_mm as [K/128, N/128] column-major with its leading dimension rounded up to a
-    multiple of 4, what the kernel steps by; read that way, it is the grid."""
+def test_blockwise_scaled_mm_operands_are_what_both_torch_layout_checks_take_and_keep_the_product():
+    """CPU twin of the GPU test above: the operands handed to blockwise torch._scaled_mm. With
+    128x128 weight blocks, K/128 is made a multiple of 4 (zero bytes, unit scales), so the grid's
+    packed stride (what torch 2.11 checks) equals its rounded one (what the kernel reads, and
+    later torch checks); read as the kernel reads them, the operands give the same product."""
+    q = BlockwiseQuantizer()
+    m, n = 32, 384
     for k_blocks in range(1, 7):
-        grid = torch.rand(3, k_blocks, dtype=torch.float64) + 1
-        s = blockwise_weight_scales(grid)
-        lead = -(-k_blocks // 4) * 4
-        assert s.shape == (k_blocks, 3) and s.stride() == (1, lead) and s.dtype == torch.float32
-        as_read = torch.as_strided(s, (3, k_blocks), (lead, 1))  # column block j at j * lead
-        assert torch.equal(as_read, grid.float()), k_blocks
+        k = 128 * k_blocks
+        a, _ = q.quantize(_randn(m, k, seed=k_blocks), E4M3, "activation")
+        b, _ = q.quantize(_randn(n, k, seed=10 + k_blocks, scale=0.02), E4M3, "weight")
+        a_data, b_t, sa, sb = blockwise_scaled_mm_operands(a, b)
+        kp = -(-k_blocks // 4) * 4  # padded block count
+        assert a_data.shape == (m, 128 * kp) and b_t.shape == (128 * kp, n) and b_t.stride() == (1, 128 * kp)
+        assert sa.shape == (m, kp) and sa.stride() == (1, m)
+        assert sb.shape == (kp, n // 128) and sb.stride() == (1, kp) and sb.dtype == torch.float32
+        # The kernel's reading: column block j of the grid at j * round_up(K/128, 4).
+        grid = torch.as_strided(sb, (n // 128, kp), (-(-kp // 4) * 4, 1))
+        w = (b_t.t().float().reshape(n // 128, 128, kp, 128) * grid[:, None, :, None]).reshape(n, 128 * kp)
+        x = (a_data.float().reshape(m, kp, 128) * sa[:, :, None]).reshape(m, 128 * kp)
+        ref = emulated_tiled_mm(a, b, torch.float32)
+        assert sqnr_db(ref, x @ w.t()) > 100, k_blocks
+        if k_blocks % 4:
+            with pytest.raises(ValueError, match="multiple of 4"):
+                blockwise_weight_scales(b.scale_inv)
+    # 1x128 second operand (the weight gradient): no padding, scales [K/128, N] row-major.
+    a, _ = q.quantize(_randn(m, 256, seed=1), E4M3, "activation")
+    b, _ = q.quantize(_randn(n, 256, seed=2), E4M3, "activation")
+    a_data, b_t, sa, sb = blockwise_scaled_mm_operands(a, b)
+    assert a_data.shape == (m, 256) and sb.shape == (2, n) and sb.stride() == (n, 1)
 
 
 # ------------------------------------------------------------------------------ scales, casts

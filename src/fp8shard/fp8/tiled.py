@@ -269,37 +269,63 @@ class BlockwiseQuantizer(_TiledQuantizer):
 
     def _scaled_mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
                    bias: torch.Tensor | None) -> torch.Tensor:
-        # 1x128 scales [M, K/128] outer-dim-major (stride (1, M)); the second operand's scales
-        # are given for b [K, N] column-major: 128x128 -> [K/128, N/128] with a leading
-        # dimension padded to a multiple of 4 (blockwise_weight_scales), 1x128 -> [K/128, N]
-        # row-major.
-        scale_a = a.scale_inv.float().t().contiguous().t()
-        if b.block == (128, 128):
-            scale_b = blockwise_weight_scales(b.scale_inv)
-        else:
-            scale_b = b.scale_inv.float().t().contiguous()
-        out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        a_data, b_t, scale_a, scale_b = blockwise_scaled_mm_operands(a, b)
+        out = torch._scaled_mm(a_data, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         return out if bias is None else out + bias.to(out_dtype)
+
+
+def blockwise_scaled_mm_operands(a: Fp8Operand, b: Fp8Operand
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a, bᵀ, scale_a, scale_b)`` as blockwise ``torch._scaled_mm`` takes them for ``a · bᵀ``
+    (``a`` 1x128 tiles; ``b`` 1x128 tiles or 128x128 blocks): [Note: blockwise scale layout].
+
+    1x128 scales of ``a``: [M, K/128] outer-dim-major (stride (1, M)). ``b``'s scales are given
+    for ``bᵀ`` [K, N] column-major: 128x128 -> [K/128, N/128] column-major, 1x128 ->
+    [K/128, N] row-major. With 128x128 blocks and K/128 not a multiple of 4, K is zero-padded to
+    the next multiple of 512 (bytes 0, scales 1: the product is unchanged)."""
+    a_data, b_data = a.data, b.data
+    scale_a, scale_b = a.scale_inv.float(), b.scale_inv.float()
+    if b.block == (128, 128):
+        k_blocks = a_data.shape[1] // 128
+        pad = -(-k_blocks // 4) * 4 - k_blocks
+        if pad:
+            a_data, b_data = _pad_cols_fp8(a_data, pad * 128), _pad_cols_fp8(b_data, pad * 128)
+            scale_a = torch.cat([scale_a, scale_a.new_ones(scale_a.shape[0], pad)], dim=1)
+            scale_b = torch.cat([scale_b, scale_b.new_ones(scale_b.shape[0], pad)], dim=1)
+        scale_b = blockwise_weight_scales(scale_b)
+    else:
+        scale_b = scale_b.t().contiguous()
+    return a_data, b_data.t(), scale_a.t().contiguous().t(), scale_b
+
+
+def _pad_cols_fp8(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """``x`` [R, C] FP8 with ``cols`` zero columns appended (through uint8: FP8 has no pad)."""
+    return F.pad(x.view(torch.uint8), (0, cols)).view(x.dtype)
 
 
 def blockwise_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
     """The 128x128 scales of ``b`` [N, K] (grid [N/128, K/128]) as blockwise ``torch._scaled_mm``
-    reads them for its second operand: shape [K/128, N/128], column-major, with the leading
-    dimension rounded up to a multiple of 4 (stride (1, round_up(K/128, 4))).
+    reads them for its second operand: [K/128, N/128], column-major (stride (1, K/128)). K/128
+    must be a multiple of 4 ([Note: blockwise scale layout]; ``blockwise_scaled_mm_operands``
+    pads K to make it so)."""
+    k_blocks = scale_inv.shape[1]
+    if k_blocks % 4:
+        raise ValueError(f"blockwise_weight_scales: a grid of {k_blocks} blocks along K; blockwise "
+                         "torch._scaled_mm reads the grid correctly only for a multiple of 4 -- pad K "
+                         "to a multiple of 512 first (blockwise_scaled_mm_operands does)")
+    return scale_inv.float().contiguous().t()
 
-    The kernel reads the grid with that padded leading dimension (torch's layout check of its
-    newer scaled-GEMM API asks for that stride; the ``torch._scaled_mm`` call made here checks
-    only the shape): a grid packed at K/128 (K not a multiple of 512) gave every column block
-    after the first other blocks' scales, and memory past the grid -- wrong outputs, no error
-    (found on an H100 for dx of a 512->256 layer, where K = 256). The padding is ones, unread.
-    With K a multiple of 512 (every GPT shape benchmarked) the grid needs no padding."""
-    n_blocks, k_blocks = scale_inv.shape
-    lead = -(-k_blocks // 4) * 4
-    if lead == k_blocks:
-        return scale_inv.float().contiguous().t()
-    padded = scale_inv.new_ones((n_blocks, lead), dtype=torch.float32)
-    padded[:, :k_blocks] = scale_inv.float()
-    return padded[:, :k_blocks].t()
+
+# [Note: blockwise scale layout]
+#     The sm90 blockwise kernel steps through the 128x128 grid of its second operand with a
+#     leading dimension rounded up to a multiple of 4 blocks. torch 2.11 checks for the packed
+#     stride (1, K/128) and newer torch for the rounded one, so a grid with K/128 not a multiple
+#     of 4 is either read wrongly (2.11: other blocks' scales and memory past the grid -- wrong
+#     outputs, no error; found on an H100 for dx of a 512->256 layer, K = 256) or refused
+#     ("Blockwise 1x16 scaling ... should be float4", as 2.11 reads a padded stride). Padding K
+#     itself to a multiple of 512 satisfies both checks and the kernel: zero bytes with scale 1
+#     add nothing. It costs a copy of both operands on such shapes (GPT-2 small's 768 -> 1024:
+#     a third more GEMM work for the GEMMs that contract over 768).
 
 
 # ------------------------------------------------------------------------------ stored weights
@@ -320,6 +346,7 @@ def weight_block(recipe: Recipe | str, shape: torch.Size | tuple[int, ...]) -> t
 
 
 __all__ = [
-    "BlockwiseQuantizer", "RowwiseQuantizer", "blockwise_weight_scales", "cast_tiles", "emulated_tiled_mm",
+    "BlockwiseQuantizer", "RowwiseQuantizer", "blockwise_scaled_mm_operands",
+    "blockwise_weight_scales", "cast_tiles", "emulated_tiled_mm",
     "mul_tiles", "quantize_tiles", "tile_amax", "tile_scales", "weight_block", "weight_quantizer",
 ]
