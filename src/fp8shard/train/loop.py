@@ -178,6 +178,11 @@ class Trainer:
             compile_model(self.model, self.recipe if m.fp8 else None, self.compile_scope, t.compile_backend,
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
+        if self.cuda_graphs and m.fp8:
+            notes.append("warning: trainer.compile_mode=reduce-overhead with model.fp8=true is untried "
+                         "territory: on an H100 the 125M FP8 run did not finish its first step within "
+                         "105 s (bf16 does; docs/benchmarks.md, 2026-12-06); trainer.compile_mode=default "
+                         "is the measured path")
         # [Note: compiled first call] (after any resume: a loaded history needs no first call)
         self.eager_first_call = (self.compiled and self.amax_sync is not None
                                  and self.amax_sync.first_call_pending())
