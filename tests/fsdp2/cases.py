@@ -41,9 +41,22 @@ def pin_gemm() -> None:
         gemm.set_fp8_gemm("emulated")
 
 
-def make_model(params_dtype: str = "bf16") -> GPT:
-    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
+# Rowwise and blockwise FP8 weights ([Note: FSDP2 tiled weights]): blockwise needs each rank's
+# rows in whole 128-row bands, so its model is wider (qkv 768, proj and fc2 256, fc1 512 rows).
+TILED = {"rowwise": ["model.fp8_recipe=rowwise"],
+         "blockwise": ["model.fp8_recipe=blockwise", "model.hidden_size=256", "model.ffn_hidden_size=512"]}
+
+
+def make_model(params_dtype: str = "bf16", recipe: str | None = None) -> GPT:
+    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}", *TILED.get(recipe or "", [])],
+                      validate_cfg=False)
     return build_model(cfg, VOCAB, device())
+
+
+def autocast_recipe(recipe: str | None) -> fs.fp8.Recipe:
+    """The recipe the layers compute in: the weights' own for rowwise and blockwise ones."""
+    tiled = {"rowwise": fs.RowwiseScaling, "blockwise": fs.BlockwiseScaling}
+    return tiled.get(recipe or "", fs.DelayedScaling)()
 
 
 def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
@@ -70,10 +83,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mine[:, :-1], mine[:, 1:]
 
 
-def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: float = 0.0) -> list[float]:
+def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: float = 0.0,
+                recipe_name: str | None = None) -> list[float]:
     """Losses (averaged over ranks) of ``steps``; every step one forward, backward and update."""
     losses = []
-    recipe = fs.DelayedScaling()
+    recipe = autocast_recipe(recipe_name)
     for step in steps:
         x, y = batch(step)
         with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast(x.device.type, torch.bfloat16):
@@ -89,17 +103,18 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
     return losses
 
 
-def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
-               params_dtype: str = "bf16", scaling: str = "current") -> list[float]:
-    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
+def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0, params_dtype: str = "bf16",
+               scaling: str = "current", recipe: str | None = None) -> list[float]:
+    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines. ``recipe``:
+    rowwise or blockwise FP8 weights (None: per tensor)."""
     pin_gemm()
     torch.manual_seed(0)
-    model = make_model(params_dtype)
+    model = make_model(params_dtype, recipe)
     if engine == "fsdp2":
         shard(model, replicate)
     opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,
                    scaling=scaling)
-    return train_steps(model, opt, range(steps), clip)
+    return train_steps(model, opt, range(steps), clip, recipe)
 
 
 def fp8_numel(model: torch.nn.Module) -> int:

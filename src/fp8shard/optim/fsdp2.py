@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
+from fp8shard.fp8.fsdp import check_tiled_sharding
 from fp8shard.fp8.quantizer import ScalingMode, WeightQuantizers
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
@@ -78,10 +79,11 @@ def fully_shard_model(model: nn.Module, mesh: Any = None, *, reshard_after_forwa
     init value a weight preserved (``fp8_model_init``) is cut to this rank's rows, so
     ``FSDP2Adam`` starts its master from it as ``DistributedFusedAdam`` does. Returns ``model``.
     """
-    if any(isinstance(p, Float8Tensor) and p.block is not None for p in model.parameters()):
-        raise ValueError("FSDP2 shards per-tensor FP8 weights only; these are rowwise or blockwise: "
-                         "train them with DistributedFusedAdam (trainer.strategy=flat)")
     mesh = default_mesh() if mesh is None else mesh
+    shard_world = mesh.size(mesh.ndim - 1)
+    for n, p in model.named_parameters():
+        if isinstance(p, Float8Tensor) and p.block is not None:  # [Note: FSDP2 tiled weights]
+            check_tiled_sharding(tuple(p.shape), p.block, shard_world, repr(n))
     hp_init = {n: p.get_high_precision_init_val() for n, p in model.named_parameters()
                if isinstance(p, Float8Tensor)}
     fully_shard = _fully_shard()
@@ -142,11 +144,13 @@ class FSDP2Kernel(ReferenceKernel):
                 for p, m in zip(self.params, self.masters, strict=True)]
 
     def local_amax(self) -> torch.Tensor:
-        """Each FP8 weight's ``local_stats`` of its local shard (per tensor: one row, one slot)."""
+        """Each FP8 weight's ``local_stats`` of its local shard (per tensor: one row, one slot;
+        rowwise or blockwise: its local tiles, one slot each)."""
         amax = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
-        for i, s in self.fp8.slot.items():
+        for i, (start, k) in self.fp8.span.items():
             if self.masters[i].numel():  # an empty shard (fewer rows than ranks) has amax 0
-                amax[s] = self.fp8.quantizer(i).local_stats(self.masters[i].view(1, -1), "weight")
+                stats = self.fp8.quantizer(i).local_stats(self.fp8.as_tiles(i, self.masters[i]), "weight")
+                amax[start:start + k] = stats.reshape(-1)
         return amax
 
     def cast(self, scales: torch.Tensor | None) -> None:
@@ -156,10 +160,52 @@ class FSDP2Kernel(ReferenceKernel):
                 continue
             if isinstance(local, Float8Tensor):
                 assert scales is not None
-                self.fp8.quantizer(i).cast_scaled(self.masters[i].view(local.shape), scales[self.fp8.slot[i]],
+                start, k = self.fp8.span[i]
+                grid = scales[start:start + k].view(local.scale_inv.shape)  # 0-d, or the local grid
+                self.fp8.quantizer(i).cast_scaled(self.masters[i].view(local.shape), grid,
                                                   local.fp8_format, "weight", out=local._data)
             else:
                 local.copy_(self.masters[i].view(local.shape).to(local.dtype))
+
+
+class FSDP2WeightScales(WeightQuantizers):
+    """``WeightQuantizers`` on FSDP2's local shards ([Note: FSDP2 tiled weights]).
+
+    A per-tensor weight has one slot, whose stats every rank's shard contributes to (MAX-reduced,
+    [Note: weight scaling]). A rowwise or blockwise weight's slots are the tiles of this rank's
+    shard: FSDP2 cuts it on tile rows, so each tile is whole on one rank and its stats are final
+    there -- no all-reduce (they follow the per-tensor slots, so ``reduced_slots`` counts only
+    those), and the scales travel as the grid rows FSDP2 gathers beside the bytes. A checkpoint
+    holds the whole grid, as the flat engine's does: ``state`` gathers it from the shard ranks,
+    ``load_state`` keeps this rank's rows. ``rows``: index -> (first row of the local shard,
+    rows of the weight).
+    """
+
+    def __init__(self, params: dict[int, Float8Tensor], mode: ScalingMode, recipe: DelayedScaling | None,
+                 device: torch.device, group: Group, rows: Mapping[int, tuple[int, int]]) -> None:
+        super().__init__(params, mode, recipe, device)
+        self.reduced_slots = sum(1 for p in params.values() if p.block is None)
+        self.group = group
+        # tiled weight -> (its first grid row here, its grid rows in all)
+        self._grid_rows = {i: (rows[i][0] // p.block[0], -(-rows[i][1] // p.block[0]))
+                           for i, p in self.tiled.items()}
+
+    def state(self, index: int) -> dict[str, torch.Tensor]:
+        st = super().state(index)
+        if index in self._grid_rows:  # every shard rank's grid rows, in order (even shards)
+            mine = st["scale"].contiguous()
+            full = mine.new_empty((self.group.world_size * mine.shape[0], mine.shape[1]))
+            self.group.all_gather(full, mine, kind="all_gather.fp8_scale_grid")
+            st["scale"] = full[:self._grid_rows[index][1]]
+        return st
+
+    def load_state(self, index: int, sd: dict[str, torch.Tensor]) -> None:
+        if index in self._grid_rows:
+            first, total = self._grid_rows[index]
+            local = self.span[index][1] // max(self._geometry[index][2], 1)
+            grid = sd["scale"].reshape(total, -1)
+            sd = {**sd, "scale": grid[first:first + local]}
+        super().load_state(index, sd)
 
 
 class FSDP2Engine:
@@ -205,7 +251,8 @@ class FSDP2Engine:
             self.exp_avg_sq.append(torch.zeros(local.numel(), dtype=state_dtype, device=device))
         fp8 = {i: t for i, t in ((i, local_shard(p)) for i, p in enumerate(params))
                if isinstance(t, Float8Tensor)}
-        self.fp8 = WeightQuantizers(fp8, fp8_weight_scaling, delayed_scaling, device)
+        self.fp8 = FSDP2WeightScales(fp8, fp8_weight_scaling, delayed_scaling, device, self.group,
+                                     {i: (shard_rows(params[i])[0], params[i].shape[0]) for i in fp8})
         runs: list[list[Run]] = [[] for _ in range(num_groups)]
         for i, m in enumerate(self.master):
             if m.numel():
@@ -221,12 +268,11 @@ class FSDP2Engine:
         return any(p.grad is not None for p in self.params)
 
     def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
-        """The new scales onto the local FP8 shards; FSDP2 gathers the bytes at the next forward."""
-        for i, s in self.fp8.slot.items():
+        """The new scales (or scale grid rows) onto the local FP8 shards; FSDP2 gathers the bytes
+        (and grid rows) at the next forward."""
+        if self.fp8.slot:
             assert scale_inv is not None
-            local = local_shard(self.params[i])
-            local._scale_inv.copy_(scale_inv[s])
-            local.mark_bytes_changed()
+            self.fp8.set_scale_inv({i: local_shard(self.params[i]) for i in self.fp8.slot}, scale_inv)
 
     def wait_gathers(self) -> None:
         """Nothing in flight after ``step()``."""
