@@ -65,10 +65,17 @@ def _padded_rows(t: Float8Tensor, mesh: Any, outer_size: torch.Size | None) -> i
     return t._data.untyped_storage().nbytes() // row
 
 
+def fitting_shard_worlds(shapes: list[tuple[int, ...]], block: tuple[int, int], most: int = 128) -> list[int]:
+    """Shard world sizes (2..``most``) that cut every weight of ``shapes`` into whole tiles."""
+    br = int(block[0])
+    return [w for w in range(2, most + 1) if all(r % w == 0 and (r // w) % br == 0 for r, *_ in shapes)]
+
+
 def check_tiled_sharding(shape: tuple[int, ...], block: tuple[int, int], shard_world: int,
-                         name: str = "") -> None:
+                         name: str = "", fits: list[int] | None = None) -> None:
     """Refuse a rowwise or blockwise weight FSDP2 cannot cut over ``shard_world`` ranks
-    ([Note: FSDP2 tiled weights]), naming the shapes and the fixes."""
+    ([Note: FSDP2 tiled weights]), naming the shapes and the fixes; ``fits``: the shard world
+    sizes that would do for the whole model (default: for this weight)."""
     rows, br = int(shape[0]), int(block[0])
     if shard_world <= 1:
         return
@@ -78,8 +85,8 @@ def check_tiled_sharding(shape: tuple[int, ...], block: tuple[int, int], shard_w
         return
     kind = "rowwise" if br == 1 else f"blockwise ({br}x{block[1]} blocks)"
     what = f"{kind} FP8 weight {name + ' ' if name else ''}of shape {tuple(shape)}"
-    ok = [w for w in range(2, 129) if rows % w == 0 and (rows // w) % br == 0]
-    sizes = f"shard world sizes that fit: {', '.join(map(str, ok[:8]))}" if ok else "none > 1 fits"
+    ok = fitting_shard_worlds([tuple(shape)], block) if fits is None else fits
+    sizes = f"shard world sizes that fit: {', '.join(map(str, ok[:8]))}" if ok else "no size > 1 fits"
     if not even:
         why = (f"FSDP2 over {shard_world} shard ranks cuts its {rows} rows unevenly ({chunk} per rank, "
                "fewer on the last); FSDP2 gathers an unevenly cut parameter only if every all-gather "

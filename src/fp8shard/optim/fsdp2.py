@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
-from fp8shard.fp8.fsdp import check_tiled_sharding
+from fp8shard.fp8.fsdp import check_tiled_sharding, fitting_shard_worlds
 from fp8shard.fp8.quantizer import ScalingMode, WeightQuantizers
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
@@ -80,10 +80,12 @@ def fully_shard_model(model: nn.Module, mesh: Any = None, *, reshard_after_forwa
     ``FSDP2Adam`` starts its master from it as ``DistributedFusedAdam`` does. Returns ``model``.
     """
     mesh = default_mesh() if mesh is None else mesh
-    shard_world = mesh.size(mesh.ndim - 1)
-    for n, p in model.named_parameters():
-        if isinstance(p, Float8Tensor) and p.block is not None:  # [Note: FSDP2 tiled weights]
-            check_tiled_sharding(tuple(p.shape), p.block, shard_world, repr(n))
+    tiled = {n: p for n, p in model.named_parameters() if isinstance(p, Float8Tensor) and p.block is not None}
+    if tiled:  # cut into whole tiles, or refused before anything is sharded ([Note: FSDP2 tiled weights])
+        fits = sorted(set.intersection(*(set(fitting_shard_worlds([tuple(p.shape)], p.block))
+                                         for p in tiled.values())))
+        for n, p in tiled.items():
+            check_tiled_sharding(tuple(p.shape), p.block, mesh.size(mesh.ndim - 1), repr(n), fits)
     hp_init = {n: p.get_high_precision_init_val() for n, p in model.named_parameters()
                if isinstance(p, Float8Tensor)}
     fully_shard = _fully_shard()
