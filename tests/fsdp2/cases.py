@@ -248,6 +248,21 @@ def hsdp_shards_agree(steps: int = 3) -> bool:
     return ok
 
 
+def direct_fully_shard_refused(out_features: int, recipe: str) -> str:
+    """A tiled FP8 weight sharded by torch's fully_shard itself (not fully_shard_model): the
+    error FSDP2Adam raises on this rank, or "" if it takes the model."""
+    from fp8shard.optim.fsdp2 import _fully_shard
+
+    with fs.fp8_model_init(recipe=recipe):
+        model = torch.nn.Sequential(fs.nn.Linear(256, out_features, bias=False))
+    _fully_shard()(model, mesh=default_mesh())
+    try:
+        FSDP2Adam(model.parameters(), lr=1e-3)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def _full(pieces: list[tuple[int, torch.Tensor]], numel: int) -> torch.Tensor:
     """A flattened tensor from every rank's (offset, values) pieces."""

@@ -41,6 +41,24 @@ def test_hsdp_2x2_rowwise_matches_flat_engine(dist_pools):
     assert hsdp[-1] < hsdp[0] - 0.5
 
 
+@pytest.mark.parametrize(("out_features", "recipe", "message"), [
+    (255, "blockwise", "an FP8 shard on some ranks and a plain one on others"),  # 128 + 127 rows
+    (200, "blockwise", "gives each rank 100 rows, not a multiple of 128"),
+    (7, "rowwise", "cuts its 7 rows unevenly"),
+    (256, "blockwise", ""),  # whole bands: taken
+])
+def test_fsdp2adam_refuses_tiled_weights_fully_shard_cut_through_their_tiles(dist_pools, out_features,
+                                                                             recipe, message):
+    """torch's fully_shard used directly is not checked before it cuts; FSDP2Adam refuses what
+    it left, on every rank alike (one rank alone raising would leave the others in a collective)."""
+    errors = dist_pools(2).run(cases.direct_fully_shard_refused, out_features, recipe)
+    assert all(message in e for e in errors) and len(set(errors)) == 1
+    if message:  # each names the fix
+        assert "fully_shard_model" in errors[0] or "trainer.strategy=flat" in errors[0]
+    else:
+        assert errors == ["", ""]
+
+
 # Per FP8 weight element and gather: the bytes, plus 4 bytes per row (rowwise; rows 128 + 64 +
 # 64 of 20480 weights) or per 128x128 block (blockwise; 8 + 8 + 4 blocks of 327680 weights).
 WIRE = {("rowwise", 2): (20480 + 4 * 256) / 20480, ("rowwise", 4): (20480 + 4 * 256) / 20480,

@@ -237,6 +237,7 @@ class FSDP2Engine:
             self._wire = count_fsdp_wire(module)
         self.comm = CommCounter()
         self.group = Group(_shard_group(params[0]), self.comm)
+        _check_fp8_shards(params, Group(self.group.pg if self.group.distributed else None, CommCounter()))
         self.master: list[torch.Tensor] = []
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
@@ -361,10 +362,34 @@ def _check_sharded(params: list[torch.Tensor]) -> None:
         if not isinstance(p, DTensor):
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not sharded by FSDP2; call "
                              "fully_shard_model(model, mesh) before building FSDP2Adam")
-    meshes = {id(p.device_mesh) for p in params}
-    if len(meshes) > 1:
+    # Equal meshes, not the same object: FSDP2 may give a module's parameters equal copies of
+    # the mesh it was called with (seen with torch 2.13 for the third layer of a stack).
+    if any(p.device_mesh != params[0].device_mesh for p in params[1:]):
         raise ValueError("FSDP2Adam needs every parameter on one device mesh; shard the whole "
                          "model with one fully_shard_model(model, mesh) call")
+
+
+def _check_fp8_shards(params: list[torch.Tensor], group: Group) -> None:
+    """Every shard rank holds the same kind of local shard of each parameter (plain, per-tensor
+    FP8, or tiled FP8), and tiled ones cut into whole tiles. A rowwise or blockwise weight that
+    torch's ``fully_shard`` cut through its tiles (``fully_shard_model`` refuses that up front)
+    can leave some ranks a plain shard, or a grid of its own: refused here, on every rank alike."""
+    kinds = torch.tensor([0 if not isinstance(t, Float8Tensor) else 1 if t.block is None else 2
+                          for t in map(local_shard, params)], dtype=torch.float32)
+    both = torch.cat([kinds, -kinds])
+    group.all_reduce(both, "max", kind="all_reduce.setup")
+    bad = [i for i in range(len(params)) if both[i] != -both[len(params) + i]]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"parameter {i} (shape {tuple(params[i].shape)}) is an FP8 shard on some ranks "
+                         "and a plain one on others: FSDP2 cut a rowwise or blockwise FP8 weight through "
+                         "its tiles. Shard the model with fully_shard_model(model, mesh), which refuses "
+                         "such shapes and names the fix ([Note: FSDP2 tiled weights])")
+    for i, p in enumerate(params):  # the same kinds on every rank now: the same decisions
+        local = local_shard(p)
+        if isinstance(local, Float8Tensor) and local.block is not None:
+            shard_world = p.device_mesh.size(p.device_mesh.ndim - 1)
+            check_tiled_sharding(tuple(p.shape), local.block, shard_world, f"parameter {i}")
 
 
 class FSDP2Adam(ShardedAdam):
