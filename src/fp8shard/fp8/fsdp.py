@@ -13,7 +13,8 @@
     (``fsdp_post_all_gather``) and we wrap it as the unsharded Float8Tensor: no copy, no
     high-precision round trip. On later all-gathers FSDP2 passes the unsharded tensor it got the
     first time as ``out``: the bytes are already in its storage, only the scale is refreshed and
-    the cached transpose dropped.
+    the cached transpose dropped. A rowwise or blockwise weight gathers its scale grid rows as
+    a second input ([Note: FSDP2 tiled weights]); per-tensor weights keep one input.
 
     Torch versions: torch >= 2.5 (2.11 and 2.13 included) call
     ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` and expect the

@@ -193,6 +193,7 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 #     of high-precision values, would re-quantize the slice from its own amax and re-scale every
 #     other element with it (and on an FSDP2 shard give each rank its own scale), so both raise;
 #     a copy of FP8 bytes with the same scale is exact and allowed (FSDP2 pads shards this way).
+#     Slices of a rowwise or blockwise tensor hold their own grid rows: [Note: FP8 tiled slices].
 _SLICE = "_fp8_slice"
 
 

@@ -8,10 +8,12 @@
     (``_scale_inv`` [rows, 1]); ``(n, n)`` for a blockwise one ([ceil(rows/n), ceil(cols/n)]),
     the scale of each tile multiplying its bytes ([Note: quantizer]). Such tiled weights are
     2-D. The ops that keep a tiled tensor FP8 are those that keep its scale grid: ``detach``,
-    ``alias``, ``clone``, ``copy_``, ``.to()``, ``empty_like`` and views to its own shape;
-    transposes, reshapes to another shape, ``as_strided``, slices and ``new_zeros`` would
-    put bytes under another tile's scale, so they run on the dequantized value (plain tensor
-    out), like any op not listed. Wrappers that share bytes (``detach``, views,
+    ``alias``, ``clone``, ``copy_``, ``.to()``, ``empty_like`` and views to its own shape, and
+    those that keep whole tiles, which FSDP2's sharding uses ([Note: FP8 tiled slices]: dim-0
+    slices cut on tile rows, ``new_zeros`` with its columns, a flat ``view(-1)`` that remembers
+    ``tile_shape``); transposes, reshapes to another shape, other ``as_strided``, slices and
+    ``new_zeros`` would put bytes under another tile's scale, so they run on the dequantized
+    value (plain tensor out), like any op not listed. Wrappers that share bytes (``detach``, views,
     ``nn.Parameter``) share the same ``_scale_inv`` tensor and the same ``_Fp8Meta``, so a change
     of bytes or scale through one is seen by all. Op semantics live in ``fp8shard.fp8.ops``:
     view-like ops stay FP8, in-place ops dequantize -> apply -> re-quantize into the same bytes,

@@ -14,6 +14,11 @@
         amax per FP8 parameter -> ONE packed all-reduce(MAX) -> scales  [Note: weight scaling]
         cast the master shard straight into the local FP8 bytes; non-FP8 shards get master.to(dtype)
 
+    Rowwise and blockwise weights ([Note: FSDP2 tiled weights]): the amax of each of the local
+    shard's tiles, which are whole on this rank, so they stay out of the all-reduce; the cast
+    writes the local bytes and the new grid rows go onto the local shard, to be gathered with
+    the bytes at the next forward.
+
     There is no all-gather in ``step()``: FSDP2 gathers the new bytes at the next forward.
     With HSDP (a 2-D mesh: replicate x shard) the shards are replicated over the first
     dimension and FSDP2 all-reduces the gradients over it, so the replicas compute identical
