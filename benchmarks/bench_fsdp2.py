@@ -9,7 +9,9 @@ gloo on CPU (NCCL with one GPU per rank when CUDA is there). Two parts:
   step after another, the parameter all-gathers counted on the wire
   (``fp8shard.testing.fsdp_wire``): bytes gathered per weight element per gather, for the FSDP2
   engine with FP8 weights, FSDP2 with bf16 weights (what FSDP2 moves without the extension), and
-  the flat engine (its ``comm_report``).
+  the flat engine (its ``comm_report``: the all-gather and the amax all-reduce); and with
+  rowwise and blockwise FP8 weights (their scales counted too; blockwise on FSDP2 only where
+  each rank gets whole 128-row bands, else null).
 * **train**: the small GPT of ``python -m fp8shard.train`` (FP8 weights, bf16 elsewhere),
   ``--steps`` steps with each engine on the same global batches: the largest relative loss
   difference from the flat engine, the persistent bytes per FP8 weight element on a rank (weight,
@@ -55,10 +57,10 @@ def _device() -> torch.device:
 
 # ---------------------------------------------------------------------------- wire
 class Stack(nn.Module):
-    def __init__(self, fp8: bool, device: torch.device, width: int = 256) -> None:
+    def __init__(self, fp8: bool, device: torch.device, width: int = 256, recipe: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        with fs.fp8_model_init(enabled=fp8), torch.device(device):
+        with fs.fp8_model_init(enabled=fp8, recipe=recipe), torch.device(device):
             self.layers = nn.ModuleList([fs.nn.Linear(width, width, bias=False) for _ in range(4)])
         if not fp8:
             for p in self.parameters():
@@ -70,10 +72,15 @@ class Stack(nn.Module):
         return x
 
 
-def wire(engine: str, fp8: bool, steps: int = 3) -> float:
-    """Parameter all-gather bytes per weight element per gather."""
+RECIPES = {None: fs.DelayedScaling, "rowwise": fs.RowwiseScaling, "blockwise": fs.BlockwiseScaling}
+
+
+def wire(engine: str, fp8: bool, steps: int = 3, recipe: str | None = None) -> float:
+    """Parameter all-gather bytes per weight element per gather (FSDP2: bytes and, for rowwise or
+    blockwise weights, the scale grid rows; flat: its all-gather and the amax all-reduce that
+    carries the scales)."""
     device = _device()
-    model = Stack(fp8, device)
+    model = Stack(fp8, device, recipe=recipe)
     numel = sum(p.numel() for p in model.parameters())
     if engine == "fsdp2":
         fully_shard_model(model, default_mesh(), reshard_after_forward=False)  # one gather per step
@@ -85,12 +92,13 @@ def wire(engine: str, fp8: bool, steps: int = 3) -> float:
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
         x = torch.randn(32, 256, generator=g).to(device, torch.bfloat16 if not fp8 else torch.float32)
-        with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
+        with fs.fp8_autocast(enabled=True, recipe=RECIPES[recipe]()):
             model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
         if engine == "flat":
-            gathered += sum(v for k, v in opt.comm_report().items() if k.startswith("all_gather.params"))
+            gathered += sum(v for k, v in opt.comm_report().items()
+                            if k.startswith(("all_gather.params", "all_reduce.amax")))
     if engine == "fsdp2":
         gathered = count.total("all_gather.params")
     return gathered / (numel * steps)
@@ -177,8 +185,15 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     n = dist.get_world_size()
     torch.set_num_threads(1)
-    wire_rows = {"fsdp2, FP8 weights": wire("fsdp2", True), "fsdp2, bf16 weights": wire("fsdp2", False),
-                 "flat, FP8 weights": wire("flat", True)}
+    wire_rows: dict[str, float | None] = {
+        "fsdp2, FP8 weights": wire("fsdp2", True), "fsdp2, bf16 weights": wire("fsdp2", False),
+        "flat, FP8 weights": wire("flat", True)}
+    for recipe in ("rowwise", "blockwise"):
+        if recipe == "blockwise" and (256 // n) % 128:  # 128-row bands per rank: [Note: FSDP2 tiled weights]
+            wire_rows[f"fsdp2, {recipe} FP8"] = None  # refused: a band would be cut between ranks
+        else:
+            wire_rows[f"fsdp2, {recipe} FP8"] = wire("fsdp2", True, recipe=recipe)
+        wire_rows[f"flat, {recipe} FP8"] = wire("flat", True, recipe=recipe)
     runs = {"flat": train("flat", args.steps), "fsdp2": train("fsdp2", args.steps)}
     if args.replicate > 1:
         name = f"fsdp2 HSDP {args.replicate}x{n // args.replicate}"
@@ -191,7 +206,7 @@ def main() -> None:
         print(f"bench_fsdp2: {n} ranks, {backend}, torch {torch.__version__}, {args.steps} steps")
         print(f"{'all-gather (wire)':<24} {'B per weight elem per gather':>30}")
         for k, v in wire_rows.items():
-            print(f"{k:<24} {v:>30.3f}")
+            print(f"{k:<24} {'refused' if v is None else f'{v:.4f}':>30}")
         print(f"{'training (GPT)':<24} {'final loss':>10} {'max rel dloss':>14} {'B/FP8 elem':>11} "
               f"{'target 1+2+12/N+2/N':>20} {'ms/step':>9}")
         for k, r in runs.items():

@@ -48,9 +48,10 @@ def test_ops_keep_the_grid_or_dequantize(recipe):
         assert torch.equal(kept.dequantize(torch.float32), t.dequantize())
     e = torch.empty_like(t)
     assert isinstance(e, Float8Tensor) and e.block == t.block and e.scale_inv.shape == t.scale_inv.shape
-    for other in (t.t(), t.reshape(200, 300), t[:10], t.narrow(0, 5, 7), t.new_zeros(3, 3)):
+    for other in (t.t(), t.reshape(200, 300), t[:, :10], t[:10:2], t.narrow(0, 5, 7) if recipe == "blockwise"
+                  else t.narrow(1, 0, 7), t.new_zeros(3, 3), t.view(-1).view(200, 300)):
         assert type(other) is torch.Tensor  # another scale grid: plain values
-    assert torch.equal(t.t(), t.dequantize().t()) and torch.equal(t[:10], t.dequantize()[:10])
+    assert torch.equal(t.t(), t.dequantize().t()) and torch.equal(t[:, :10], t.dequantize()[:, :10])
     dst = torch.empty_like(t)
     dst.copy_(t)  # the same grid: bytes and scales, bit for bit
     assert torch.equal(dst.uint8_view(), t.uint8_view()) and torch.equal(dst.scale_inv, t.scale_inv)
@@ -110,3 +111,33 @@ def test_linear_with_stored_tiled_weight_uses_its_bytes(recipe):
         _, wt = q.quantize(w.dequantize(), fmt.fwd, "weight", rows=False, cols=True)
     assert torch.equal(x.grad, q.gemm(dy_op, wt, torch.float32))
     assert layer.weight.grad.shape == (300, 200) and not isinstance(layer.weight.grad, Float8Tensor)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_cuts_on_tile_rows_keep_fp8_with_their_grid_rows(recipe):
+    """[Note: FP8 tiled slices]: rows cut on tile boundaries (any row rowwise, 128-row bands
+    blockwise, or up to the last row) view their bytes and their rows of the grid; what FSDP2's
+    sharding does with them (chunk, new_zeros, narrow + copy_, view(-1)) stays FP8, bit-exact."""
+    t = Float8Tensor.quantize(_x(), recipe=recipe)
+    br = t.block[0]
+    head, tail = torch.split(t, [128, 172], dim=0)  # 128: a row for rowwise, a band for blockwise
+    for part, rows in ((head, slice(0, 128)), (tail, slice(128, 300)), (t[128:], slice(128, 300)),
+                       (t.narrow(0, 0, 128), slice(0, 128))):
+        assert isinstance(part, Float8Tensor) and part.block == t.block
+        assert part.scale_inv.data_ptr() == t.scale_inv[rows.start // br:].data_ptr()  # a view of the grid
+        assert torch.equal(part.dequantize(), t.dequantize()[rows])
+    if recipe == "blockwise":
+        assert type(t[:100]) is torch.Tensor and type(torch.chunk(t, 2)[0]) is torch.Tensor  # 150 rows
+    padded = t.new_zeros((172, 200))  # FSDP2's padded shard: zero bytes, a grid of ones
+    assert isinstance(padded, Float8Tensor) and padded.block == t.block
+    assert torch.equal(padded.scale_inv, torch.ones(-(-172 // br), t.scale_inv.shape[1]))
+    padded.narrow(0, 0, 172).copy_(tail)  # bytes and grid rows, bit-exact
+    assert torch.equal(padded.uint8_view(), tail.uint8_view())
+    assert torch.equal(padded.scale_inv, tail.scale_inv)
+    flat = padded.view(-1)  # what FSDP2 keeps of a shard: the same bytes, not a dequantized copy
+    assert isinstance(flat, Float8Tensor) and flat.tile_shape == (172, 200)
+    assert flat.fp8_data.data_ptr() == padded.fp8_data.data_ptr()
+    assert torch.equal(flat.dequantize(), tail.dequantize().reshape(-1))
+    assert isinstance(flat.view(172, 200), Float8Tensor)
+    tail.copy_(torch.zeros(172, 200))  # a write into a tiled slice re-quantizes its own tiles only
+    assert torch.equal(t.dequantize()[:128], head.dequantize()) and not t.dequantize()[128:].any()

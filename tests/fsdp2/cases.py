@@ -41,9 +41,22 @@ def pin_gemm() -> None:
         gemm.set_fp8_gemm("emulated")
 
 
-def make_model(params_dtype: str = "bf16") -> GPT:
-    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}"], validate_cfg=False)
+# Rowwise and blockwise FP8 weights ([Note: FSDP2 tiled weights]): blockwise needs each rank's
+# rows in whole 128-row bands, so its model is wider (qkv 768, proj and fc2 256, fc1 512 rows).
+TILED = {"rowwise": ["model.fp8_recipe=rowwise"],
+         "blockwise": ["model.fp8_recipe=blockwise", "model.hidden_size=256", "model.ffn_hidden_size=512"]}
+
+
+def make_model(params_dtype: str = "bf16", recipe: str | None = None) -> GPT:
+    cfg = load_config([*OVERRIDES, f"model.params_dtype={params_dtype}", *TILED.get(recipe or "", [])],
+                      validate_cfg=False)
     return build_model(cfg, VOCAB, device())
+
+
+def autocast_recipe(recipe: str | None) -> fs.fp8.Recipe:
+    """The recipe the layers compute in: the weights' own for rowwise and blockwise ones."""
+    tiled = {"rowwise": fs.RowwiseScaling, "blockwise": fs.BlockwiseScaling}
+    return tiled.get(recipe or "", fs.DelayedScaling)()
 
 
 def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
@@ -70,10 +83,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mine[:, :-1], mine[:, 1:]
 
 
-def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: float = 0.0) -> list[float]:
+def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: float = 0.0,
+                recipe_name: str | None = None) -> list[float]:
     """Losses (averaged over ranks) of ``steps``; every step one forward, backward and update."""
     losses = []
-    recipe = fs.DelayedScaling()
+    recipe = autocast_recipe(recipe_name)
     for step in steps:
         x, y = batch(step)
         with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast(x.device.type, torch.bfloat16):
@@ -89,17 +103,18 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, steps: range, clip: floa
     return losses
 
 
-def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
-               params_dtype: str = "bf16", scaling: str = "current") -> list[float]:
-    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines."""
+def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0, params_dtype: str = "bf16",
+               scaling: str = "current", recipe: str | None = None) -> list[float]:
+    """``params_dtype=fp32``: fp32 gradients, reduced in fp32 by both engines. ``recipe``:
+    rowwise or blockwise FP8 weights (None: per tensor)."""
     pin_gemm()
     torch.manual_seed(0)
-    model = make_model(params_dtype)
+    model = make_model(params_dtype, recipe)
     if engine == "fsdp2":
         shard(model, replicate)
     opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,
                    scaling=scaling)
-    return train_steps(model, opt, range(steps), clip)
+    return train_steps(model, opt, range(steps), clip, recipe)
 
 
 def fp8_numel(model: torch.nn.Module) -> int:
@@ -149,16 +164,20 @@ def _param_groups(model: torch.nn.Module) -> list:
     return out
 
 
-class Fp8Stack(torch.nn.Module):
-    """FP8 weights only (no bias, no norm): every gathered byte is an FP8 weight's."""
+# (in, out) of each layer: blockwise weights need 256-row multiples to cut into whole 128-row
+# bands over 2 ranks.
+STACK_DIMS = {None: [(64, 128), (128, 64), (64, 64)], "rowwise": [(64, 128), (128, 64), (64, 64)],
+              "blockwise": [(256, 512), (512, 256), (256, 256)]}
 
-    def __init__(self) -> None:
+
+class Fp8Stack(torch.nn.Module):
+    """FP8 weights only (no bias, no norm): every gathered byte is an FP8 weight's (or its scales')."""
+
+    def __init__(self, recipe: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        with fs.fp8_model_init(enabled=True), torch.device(device()):
-            self.layers = torch.nn.ModuleList([fs.nn.Linear(64, 128, bias=False),
-                                               fs.nn.Linear(128, 64, bias=False),
-                                               fs.nn.Linear(64, 64, bias=False)])
+        with fs.fp8_model_init(enabled=True, recipe=recipe), torch.device(device()):
+            self.layers = torch.nn.ModuleList([fs.nn.Linear(i, o, bias=False) for i, o in STACK_DIMS[recipe]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -166,25 +185,48 @@ class Fp8Stack(torch.nn.Module):
         return x
 
 
-def wire_bytes(steps: int = 3, reshard_after_forward: bool = False) -> dict[str, float]:
-    """All-gather bytes per FP8 weight element per gather, counted on the wire."""
-    model = Fp8Stack()
+def gather_input_bytes(local: Float8Tensor, outer_size: torch.Size, world: int) -> int:
+    """What FSDP2 all-gathers for one FP8 weight: every rank's ``fsdp_pre_all_gather`` inputs
+    (bytes, and for a tiled weight its grid rows), as padded, in bytes."""
+    class Mesh:  # what the hook reads of a device mesh
+        def size(self) -> int:
+            return world
+
+    inputs, _ = local.fsdp_pre_all_gather(Mesh(), outer_size, None, None, None)
+    return world * sum(t.numel() * t.element_size() for t in inputs)
+
+
+def wire_bytes(steps: int = 3, reshard_after_forward: bool = False, recipe: str | None = None) -> dict:
+    """All-gather bytes per FP8 weight element per gather, counted on the wire; with the count
+    expected from the hooks' inputs, and how the local shards are stored."""
+    model = Fp8Stack(recipe)
     fully_shard_model(model, default_mesh(), reshard_after_forward=reshard_after_forward)
     count = count_fsdp_wire(model)
     opt = FSDP2Adam(model.parameters(), lr=1e-3, module=model, count_comm=True)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        x = torch.randn(32, 64, generator=g).to(device())
-        with fs.fp8_autocast(enabled=True, recipe=fs.DelayedScaling()):
+        x = torch.randn(32, STACK_DIMS[recipe][0][0], generator=g).to(device())
+        with fs.fp8_autocast(enabled=True, recipe=autocast_recipe(recipe)):
             model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
     n = fp8_numel(model)
     gathers = count.calls_total("all_gather.params")
+    locals_ = [local_shard(p) for p in model.parameters()]
+    expected = sum(gather_input_bytes(t, p.shape, dist.get_world_size())
+                   for t, p in zip(locals_, model.parameters(), strict=True))
+    flat_views = [fp._sharded_param_data for grp in _param_groups(model) for fp in grp.fsdp_params]
+    storages = {t.fp8_data.untyped_storage().data_ptr() for t in locals_}
     return {"bytes_per_elem_per_step": count.total("all_gather.params") / (n * steps),
+            "expected_per_elem": expected / n,
             "gathers": gathers, "keys": sorted(count.bytes),
             "reduce_scatter_bytes_per_elem_per_step": count.total("reduce_scatter.grads") / (n * steps),
-            "report": opt.comm_report(), "n": n}
+            "report": opt.comm_report(), "n": n,
+            "blocks": [t.block for t in locals_], "grids": [tuple(t.scale_inv.shape) for t in locals_],
+            # FSDP2's flat view of each shard stays FP8 over the same bytes (no dequantized copy)
+            "flat_views_fp8": len(flat_views) == len(locals_) and all(
+                isinstance(v, Float8Tensor) and v.fp8_data.untyped_storage().data_ptr() in storages
+                for v in flat_views)}
 
 
 def hsdp_shards_agree(steps: int = 3) -> bool:
@@ -204,6 +246,21 @@ def hsdp_shards_agree(steps: int = 3) -> bool:
         dist.all_gather(m2, opt.engine.master[i], group=rep_group)
         ok = ok and torch.equal(both[0], both[1]) and torch.equal(m2[0], m2[1])
     return ok
+
+
+def direct_fully_shard_refused(out_features: int, recipe: str) -> str:
+    """A tiled FP8 weight sharded by torch's fully_shard itself (not fully_shard_model): the
+    error FSDP2Adam raises on this rank, or "" if it takes the model."""
+    from fp8shard.optim.fsdp2 import _fully_shard
+
+    with fs.fp8_model_init(recipe=recipe):
+        model = torch.nn.Sequential(fs.nn.Linear(256, out_features, bias=False))
+    _fully_shard()(model, mesh=default_mesh())
+    try:
+        FSDP2Adam(model.parameters(), lr=1e-3)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -229,18 +286,27 @@ def model_space_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
         for k in ("master", "exp_avg", "exp_avg_sq"):
             full = _full([(int(e["offset"]), e[k]) for e in ssd["state"].get(i, [])], numel)
             out[f"{name}/{k}"] = _sha(full)
+        grid = None
         if hasattr(p, "device_mesh"):
             start, rows = shard_rows(p)
             local = local_shard(p)
             row = p.numel() // p.shape[0] if p.dim() else 1
             values = local.uint8_view() if isinstance(local, Float8Tensor) else local.detach()
             full = _full([(start * row, values.float())] if rows else [], numel)
+            if isinstance(local, Float8Tensor) and local.block is not None:  # the grid rows of each rank
+                g = local.scale_inv
+                br, gc = local.block[0], g.shape[1]
+                grid = _full([(start // br * gc, g)], -(-p.shape[0] // br) * gc)
         else:
             values = p.uint8_view() if isinstance(p, Float8Tensor) else p.detach()
             full = values.float().reshape(-1)
+            if isinstance(p, Float8Tensor) and p.block is not None:
+                grid = p.scale_inv.reshape(-1)
         out[f"{name}/weight"] = _sha(full)
+        if grid is not None:
+            out[f"{name}/scale_inv_grid"] = _sha(grid)
         if i in ssd["fp8"]:
-            out[f"{name}/scale"] = _sha(ssd["fp8"][i]["scale"].reshape(1))
+            out[f"{name}/scale"] = _sha(ssd["fp8"][i]["scale"].reshape(-1))
     return out
 
 
@@ -250,32 +316,36 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def build(engine: str, params_dtype: str = "bf16") -> tuple[GPT, torch.optim.Optimizer]:
-    """``engine``: flat, fsdp2, or hsdp (2 replicas)."""
+def build(engine: str, params_dtype: str = "bf16", recipe: str | None = None
+          ) -> tuple[GPT, torch.optim.Optimizer]:
+    """``engine``: flat, fsdp2, or hsdp (2 replicas); ``recipe``: rowwise or blockwise weights."""
     pin_gemm()
     torch.manual_seed(0)
-    model = make_model(params_dtype)
+    model = make_model(params_dtype, recipe)
     if engine in ("fsdp2", "hsdp"):
         shard(model, replicate=2 if engine == "hsdp" else 1)
     return model, make_opt(model, "flat" if engine == "flat" else "fsdp2")
 
 
-def save_after(engine: str, path: str, steps: int, more: int) -> tuple[dict[str, str], list[float]]:
+def save_after(engine: str, path: str, steps: int, more: int, recipe: str | None = None
+               ) -> tuple[dict[str, str], list[float]]:
     """Train ``steps``, save a checkpoint (its digest), train ``more`` (their losses)."""
     from fp8shard.checkpoint import save_checkpoint
 
-    model, opt = build(engine)
-    train_steps(model, opt, range(steps))
+    model, opt = build(engine, recipe=recipe)
+    train_steps(model, opt, range(steps), recipe_name=recipe)
     save_checkpoint(path, model, opt, step=steps)
     digest = model_space_digest(model, opt)
-    return digest, train_steps(model, opt, range(steps, steps + more))
+    return digest, train_steps(model, opt, range(steps, steps + more), recipe_name=recipe)
 
 
-def load_and_continue(engine: str, path: str, more: int) -> tuple[dict[str, str], list[float], int]:
+def load_and_continue(engine: str, path: str, more: int, recipe: str | None = None
+                      ) -> tuple[dict[str, str], list[float], int]:
     """Load the checkpoint into a fresh model and optimizer of ``engine``; (digest, losses, step)."""
     from fp8shard.checkpoint import load_checkpoint
 
-    model, opt = build(engine)
+    model, opt = build(engine, recipe=recipe)
     info = load_checkpoint(path, model, opt)
     digest = model_space_digest(model, opt)
-    return digest, train_steps(model, opt, range(info.step, info.step + more)), info.world_size
+    losses = train_steps(model, opt, range(info.step, info.step + more), recipe_name=recipe)
+    return digest, losses, info.world_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 
 from fp8shard.fp8 import Float8Tensor
@@ -66,3 +67,53 @@ def test_pre_all_gather_pads_a_short_shard_and_post_rebuilds():
     meta2 = (meta[0] * 2, meta[1])
     assert w.fsdp_post_all_gather((gathered,), meta2, torch.float32, out=unsharded) is None
     assert unsharded.scale_inv is not old and torch.equal(unsharded.scale_inv, old * 2)
+
+
+def test_tiled_hooks_gather_bytes_and_grid_rows_and_rebuild_without_a_copy():
+    """[Note: FSDP2 tiled weights]: a blockwise shard hands FSDP2 its bytes (uint8) and its rows
+    of the grid (fp32); the gathered pair is the whole weight, wrapped as it is, the grid trimmed
+    to the weight's bands; a later gather into ``out`` only drops the cached transpose."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 256) * torch.logspace(-2, 2, 512)[:, None]
+    w = Float8Tensor.quantize(x, recipe="blockwise")  # grid [4, 2]
+    shards = torch.chunk(w, 2, dim=0)  # what fully_shard cuts: 256 rows, 2 bands each
+    inputs = [s.fsdp_pre_all_gather(Mesh(2), w.shape, None, None, None) for s in shards]
+    (data0, grid0), meta = inputs[0]
+    assert data0.dtype == torch.uint8 and tuple(data0.shape) == (256, 256)
+    assert grid0.dtype == torch.float32 and tuple(grid0.shape) == (2, 2)
+    assert grid0.data_ptr() == w.scale_inv[:2].data_ptr()  # no copy of the grid rows either
+    gathered = torch.cat([i[0][0] for i in inputs])  # what the all-gather hands back, rank-major
+    grid = torch.cat([i[0][1] for i in inputs])
+    unsharded, inner = w.fsdp_post_all_gather((gathered, grid), meta, torch.bfloat16)
+    assert [t.data_ptr() for t in inner] == [gathered.data_ptr(), grid.data_ptr()]
+    assert isinstance(unsharded, Float8Tensor) and unsharded.block == (128, 128)
+    assert unsharded.fp8_data.data_ptr() == gathered.data_ptr()
+    assert unsharded.scale_inv.data_ptr() == grid.data_ptr()
+    assert torch.equal(unsharded.dequantize(torch.float32), w.dequantize())
+    same = torch.as_strided(unsharded, (512, 256), (256, 1), 0)  # what FSDP2 makes the parameter
+    assert isinstance(same, Float8Tensor) and same.block == (128, 128)
+    before = unsharded.fp8_transpose()
+    with torch.autograd._unsafe_preserve_version_counter(gathered):  # as FSDP2 copies a gather out
+        gathered.zero_()  # the next gather lands in the same storage
+    assert unsharded.fp8_transpose() is before  # stale until the hook says so
+    assert w.fsdp_post_all_gather((gathered, grid), meta, torch.bfloat16, out=unsharded) is None
+    assert unsharded.fp8_transpose() is not before and not unsharded.fp8_transpose().view(torch.uint8).any()
+
+
+def test_rowwise_hooks_trim_the_grid_to_the_rows():
+    torch.manual_seed(0)
+    w = Float8Tensor.quantize(torch.randn(6, 16), recipe="rowwise")
+    inputs = [s.fsdp_pre_all_gather(Mesh(3), w.shape, None, None, None) for s in torch.chunk(w, 3, dim=0)]
+    assert [tuple(t.shape) for t in inputs[0][0]] == [(2, 16), (2, 1)]
+    outputs = tuple(torch.cat([i[0][k] for i in inputs]) for k in range(2))
+    unsharded, _ = w.fsdp_post_all_gather(outputs, inputs[0][1], torch.float32)
+    assert unsharded.block == (1, 16) and torch.equal(unsharded.scale_inv, w.scale_inv)
+    assert torch.equal(unsharded.uint8_view(), w.uint8_view())
+
+
+def test_pre_all_gather_refuses_an_uneven_tiled_shard():
+    """fully_shard_model refuses it before sharding; the hook too, with the same message, rather
+    than FSDP2's padded-size assertion."""
+    w = Float8Tensor.quantize(torch.randn(7, 16), recipe="rowwise")
+    with pytest.raises(ValueError, match=r"cuts its 7 rows unevenly.*trainer\.strategy=flat"):
+        torch.chunk(w, 2, dim=0)[0].fsdp_pre_all_gather(Mesh(2), w.shape, None, None, None)

@@ -60,3 +60,22 @@ def test_flat_resumes_an_fsdp2_checkpoint(runs, tmp_path):
     mine, ref = _losses(run), _losses(runs["fsdp2"])
     assert sorted(mine) == list(range(11, 21))
     assert mine == {s: ref[s] for s in mine}
+
+
+TILED = {"rowwise": ["model.fp8_recipe=rowwise"],
+         # whole 128-row bands per rank: qkv 768, proj 256, fc1 512, fc2 256 rows over 2 ranks
+         "blockwise": ["model.fp8_recipe=blockwise", "model.hidden_size=256", "model.ffn_hidden_size=512"]}
+
+
+@pytest.mark.parametrize("recipe", list(TILED))
+def test_fsdp2_trains_rowwise_and_blockwise_fp8_weights_as_the_flat_run(tmp_path, recipe):
+    """``trainer.strategy=fsdp2 model.fp8_recipe=rowwise|blockwise model.fp8_params=true``: 2 ranks,
+    6 steps, every logged loss the flat run's bit for bit ([Note: FSDP2 tiled weights])."""
+    common = [*FAST, "model.fp8=true", "model.fp8_params=true", *TILED[recipe], "trainer.max_steps=6",
+              "checkpoint.every_n_steps=0"]
+    run_train(tmp_path / "flat", common, nproc=2)
+    run_train(tmp_path / "fsdp2", [*common, "trainer.strategy=fsdp2"], nproc=2)
+    flat, fsdp2 = _losses(tmp_path / "flat"), _losses(tmp_path / "fsdp2")
+    assert sorted(fsdp2) == list(range(1, 7))
+    assert fsdp2 == flat
+    assert read_summary(tmp_path / "fsdp2")["fp8"]["fp8_recipe"] == recipe

@@ -33,6 +33,7 @@ from torch import nn
 
 from fp8shard.checkpoint.errors import CheckpointMismatchError
 from fp8shard.fp8 import Float8Tensor, Fp8Format
+from fp8shard.fp8.tiled import quantize_tiles
 from fp8shard.optim.fsdp2 import local_shard, shard_rows
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
@@ -98,8 +99,13 @@ def model_save_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
             # same global uint8 tensor the flat engine writes whole ([Note: FSDP2 engine]).
             local = local_shard(t)
             entry["fp8"] = local.fp8_format.value
-            tensors[MODEL + name + FP8_BYTES] = _bytes_dtensor(t, local)
-            tensors[MODEL + name + SCALE_INV] = local.scale_inv.reshape(())
+            tensors[MODEL + name + FP8_BYTES] = _rows_dtensor(t, local.uint8_view(), t.shape)
+            if local.block is None:
+                tensors[MODEL + name + SCALE_INV] = local.scale_inv.reshape(())
+            else:  # this rank's rows of the grid ([Note: FSDP2 tiled weights])
+                grid = scale_shape(entry["shape"], local.block)
+                tensors[MODEL + name + SCALE_INV] = _rows_dtensor(t, local.scale_inv, torch.Size(grid))
+                entry["fp8_block"] = list(local.block)
         elif isinstance(t, Float8Tensor):
             entry["fp8"] = t.fp8_format.value
             tensors[MODEL + name + FP8_BYTES] = t.uint8_view()
@@ -119,26 +125,39 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _bytes_dtensor(t: torch.Tensor, local: Float8Tensor) -> torch.Tensor:
+def _rows_dtensor(t: torch.Tensor, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``local`` (this rank's rows of a ``shape`` tensor, cut as ``t`` is) as a DTensor DCP writes
+    as chunks of one global tensor."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.uint8_view(), t.device_mesh, t.placements, run_check=False,
-                              shape=t.shape, stride=t.stride())
+    stride = torch._prims_common.make_contiguous_strides_for(shape)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _copy_into_shard(param: torch.Tensor, value: torch.Tensor) -> None:
     """Copy this rank's rows of the full ``value`` into a sharded parameter's local shard."""
     start, rows = shard_rows(param)
     local = local_shard(param)
-    if isinstance(local, Float8Tensor) and isinstance(value, Float8Tensor):
-        # Bytes and scale, bit-exact (an empty shard still carries the scale).
+    if isinstance(local, Float8Tensor) and isinstance(value, Float8Tensor) and local.block == value.block:
+        # Bytes and scale (or this rank's rows of the scale grid), bit-exact (an empty shard still
+        # carries the scale).
         local.fp8_data.copy_(value.fp8_data[start:start + rows])
-        local.scale_inv.copy_(value.scale_inv)
+        if local.block is None:
+            local.scale_inv.copy_(value.scale_inv)
+        else:  # FSDP2 cut the weight on tile rows ([Note: FSDP2 tiled weights])
+            br = local.block[0]
+            local.scale_inv.copy_(value.scale_inv[start // br:-(-(start + rows) // br)])
         local.mark_bytes_changed()
     elif isinstance(local, Float8Tensor):
-        # A high-precision checkpoint into FP8 shards: one scale for the whole weight, from its
-        # global amax (current scaling per shard would give every rank its own scale).
-        whole = Float8Tensor.quantize(value, local.fp8_format)
+        # A high-precision checkpoint (or FP8 of another scaling) into FP8 shards: quantized whole,
+        # one scale per weight from its global amax (current scaling per shard would give every
+        # rank its own scale), or per row / block as the shard's grid is.
+        hp = value.dequantize() if isinstance(value, Float8Tensor) else value
+        if local.block is None:
+            whole = Float8Tensor.quantize(hp, local.fp8_format)
+        else:
+            data, scale_inv = quantize_tiles(hp.float(), local.fp8_format, local.block)
+            whole = Float8Tensor(data, scale_inv, local.fp8_format, hp.dtype, block=local.block)
         _copy_into_shard(param, whole)
     elif rows:
         local.copy_(value[start:start + rows])

@@ -13,7 +13,8 @@
     (``fsdp_post_all_gather``) and we wrap it as the unsharded Float8Tensor: no copy, no
     high-precision round trip. On later all-gathers FSDP2 passes the unsharded tensor it got the
     first time as ``out``: the bytes are already in its storage, only the scale is refreshed and
-    the cached transpose dropped.
+    the cached transpose dropped. A rowwise or blockwise weight gathers its scale grid rows as
+    a second input ([Note: FSDP2 tiled weights]); per-tensor weights keep one input.
 
     Torch versions: torch >= 2.5 (2.11 and 2.13 included) call
     ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` and expect the
@@ -23,6 +24,24 @@
     to call, and the padded size is derived from the bytes' storage when ``outer_size`` is
     absent. ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`` is the same in
     every version that has the extension.
+
+[Note: FSDP2 tiled weights]
+    A rowwise or blockwise weight (``Float8Tensor.block``) has a scale per row or per 128x128
+    block, and the scale grid's rows run along the weight's rows: FSDP2's dim-0 cut gives each
+    rank its rows of the bytes and its rows of the grid ([Note: FP8 tiled slices]), as long as
+    the cut falls on tile rows -- always for rowwise, on 128-row bands for blockwise. The
+    all-gather then moves two inputs per weight: the bytes as ``uint8`` and the grid rows
+    (fp32; FSDP2 packs inputs of several dtypes into one ``uint8`` buffer, so it stays one
+    collective). Each rank's grid rows are the padded shard's, so the gathered grid is the
+    whole grid in order; ``post_all_gather`` wraps the gathered bytes and grid (trimmed to the
+    weight's rows) as the unsharded Float8Tensor, no copy; on later gathers both are already in
+    ``out``'s storage, and only the cached transpose is dropped. Bytes on the wire per weight:
+    1 + 4 / cols (rowwise), 1 + 4 / 16384 (blockwise with 128-multiple columns).
+    Two limits, refused up front (``check_tiled_sharding``): the rows must split evenly over
+    the shard ranks (FSDP2 requires every all-gather input of an unevenly cut parameter to
+    have the padded shard's shape, which the grid rows cannot have), and for blockwise each
+    rank's rows must be whole 128-row bands (a band cut between ranks would need one scale from
+    two ranks' rows).
 """
 
 from __future__ import annotations
@@ -47,10 +66,50 @@ def _padded_rows(t: Float8Tensor, mesh: Any, outer_size: torch.Size | None) -> i
     return t._data.untyped_storage().nbytes() // row
 
 
+def fitting_shard_worlds(shapes: list[tuple[int, ...]], block: tuple[int, int], most: int = 128) -> list[int]:
+    """Shard world sizes (2..``most``) that cut every weight of ``shapes`` into whole tiles."""
+    br = int(block[0])
+    return [w for w in range(2, most + 1) if all(r % w == 0 and (r // w) % br == 0 for r, *_ in shapes)]
+
+
+def check_tiled_sharding(shape: tuple[int, ...], block: tuple[int, int], shard_world: int,
+                         name: str = "", fits: list[int] | None = None) -> None:
+    """Refuse a rowwise or blockwise weight FSDP2 cannot cut over ``shard_world`` ranks
+    ([Note: FSDP2 tiled weights]), naming the shapes and the fixes; ``fits``: the shard world
+    sizes that would do for the whole model (default: for this weight)."""
+    rows, br = int(shape[0]), int(block[0])
+    if shard_world <= 1:
+        return
+    chunk = -(-rows // shard_world)
+    even = rows % shard_world == 0
+    if even and chunk % br == 0:
+        return
+    kind = "rowwise" if br == 1 else f"blockwise ({br}x{block[1]} blocks)"
+    what = f"{kind} FP8 weight {name + ' ' if name else ''}of shape {tuple(shape)}"
+    ok = fitting_shard_worlds([tuple(shape)], block) if fits is None else fits
+    sizes = f"shard world sizes that fit: {', '.join(map(str, ok[:8]))}" if ok else "no size > 1 fits"
+    if not even:
+        why = (f"FSDP2 over {shard_world} shard ranks cuts its {rows} rows unevenly ({chunk} per rank, "
+               "fewer on the last); FSDP2 gathers an unevenly cut parameter only if every all-gather "
+               "input has the padded shard's shape, which the scale rows beside the bytes cannot have")
+    else:
+        why = (f"FSDP2 over {shard_world} shard ranks gives each rank {chunk} rows, not a multiple of "
+               f"{br}: a {br}-row band of blocks would be cut between ranks")
+    raise ValueError(f"{what}: {why}. Shard it over a number of ranks that divides the rows into whole "
+                     f"tiles ({sizes}; with HSDP, trainer.hsdp_replicate sets the replicas), or train "
+                     "with trainer.strategy=flat, or use per-tensor FP8 weights (model.fp8_recipe=current)")
+
+
 def pre_all_gather(t: Float8Tensor, mesh: Any, outer_size: torch.Size | None = None
                    ) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]:
-    """(all-gather inputs, metadata): the padded shard's bytes as ``uint8`` and the scale."""
+    """(all-gather inputs, metadata): the padded shard's bytes as ``uint8`` and the scale; for
+    a tiled weight, its bytes and its rows of the scale grid ([Note: FSDP2 tiled weights])."""
     data = t._data
+    if t._block is not None:
+        rows = outer_size[0] if outer_size is not None and len(outer_size) else mesh.size() * data.shape[0]
+        check_tiled_sharding((rows, *t.tile_shape[1:]), t._block, mesh.size())
+        grid = t._scale_inv.view(-1, t._scale_inv.shape[-1])
+        return (data.view(torch.uint8), grid), (None, t._fp8_format, t._block, int(rows))
     rows = _padded_rows(t, mesh, outer_size)
     padded_shape = (rows, *data.shape[1:])
     if tuple(data.shape) != padded_shape:
@@ -74,6 +133,8 @@ def post_all_gather(t: Float8Tensor, outputs: tuple[torch.Tensor, ...], metadata
     """The unsharded Float8Tensor over the gathered bytes (first call), or refresh ``out``."""
     from fp8shard.fp8.tensor import Float8Tensor
 
+    if t._block is not None:
+        return _post_all_gather_tiled(outputs, metadata, param_dtype, t.dtype, out)
     (gathered,) = outputs
     scale_inv, fmt = metadata
     fmt = Fp8Format.parse(fmt)
@@ -90,3 +151,22 @@ def post_all_gather(t: Float8Tensor, outputs: tuple[torch.Tensor, ...], metadata
     # only through the copy above, so the GEMMs always read the scale that came with the bytes.
     unsharded = Float8Tensor(data, scale_inv.detach().clone(), fmt, dtype)
     return unsharded, (data,)
+
+
+def _post_all_gather_tiled(outputs: tuple[torch.Tensor, ...], metadata: tuple[Any, ...],
+                           param_dtype: torch.dtype, own_dtype: torch.dtype, out: Float8Tensor | None
+                           ) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
+    """The unsharded tiled Float8Tensor over the gathered bytes and grid rows (first call), or
+    ``out`` told its bytes and grid changed (they are already in its storage)."""
+    from fp8shard.fp8.tensor import Float8Tensor
+
+    gathered, grid = outputs  # [ranks x padded rows, cols] uint8, [ranks x grid rows, grid cols] fp32
+    _, fmt, block, rows = metadata
+    if out is not None:
+        out.mark_bytes_changed()  # drops the cached transpose of the previous bytes
+        return None
+    fmt = Fp8Format.parse(fmt)
+    data = gathered.view(fmt.torch_dtype)[:rows]  # a view: no copy
+    scale_inv = grid[:-(-rows // block[0])]
+    dtype = param_dtype if param_dtype is not None and param_dtype.is_floating_point else own_dtype
+    return Float8Tensor(data, scale_inv, fmt, dtype, block=block), (gathered, grid)

@@ -100,9 +100,17 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
 def _view(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
-    if t._block is not None and not (func in _SAME_GRID and data.shape == t.shape):
-        return _fallback(func, args, kwargs)  # another scale grid: [Note: Float8Tensor]
-    return t._rewrap(data)
+    if t._block is None:
+        return t._rewrap(data)
+    grid_shape = t.tile_shape
+    if func in _SAME_GRID and data.shape == grid_shape:
+        return t._rewrap(data, tile_shape=None)  # the grid's own 2-D shape (back from a flat view)
+    if func in _SAME_GRID and data.dim() == 1 and t._data.is_contiguous():
+        return t._rewrap(data, tile_shape=grid_shape)  # flat: [Note: FP8 tiled slices]
+    if func is aten.as_strided.default and data.shape == t.shape and data.stride() == t._data.stride() \
+            and data.storage_offset() == t._data.storage_offset():
+        return t._rewrap(data)  # the same view (FSDP2's unsharded parameter)
+    return _fallback(func, args, kwargs)  # another scale grid: [Note: Float8Tensor]
 
 
 _SAME_GRID = (aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
@@ -185,6 +193,7 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 #     of high-precision values, would re-quantize the slice from its own amax and re-scale every
 #     other element with it (and on an FSDP2 shard give each rank its own scale), so both raise;
 #     a copy of FP8 bytes with the same scale is exact and allowed (FSDP2 pads shards this way).
+#     Slices of a rowwise or blockwise tensor hold their own grid rows: [Note: FP8 tiled slices].
 _SLICE = "_fp8_slice"
 
 
@@ -207,27 +216,71 @@ def _refuse_slice_write(t: Float8Tensor, what: str) -> None:
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
 def _split(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     t = args[0]
-    if t._block is not None:  # a slice of a scale grid: [Note: Float8Tensor]
-        return _fallback(func, args, kwargs)
-    return [_mark_slice(t._rewrap(d)) for d in func(t._data, *args[1:], **kwargs)]
+    pieces = func(t._data, *args[1:], **kwargs)
+    if t._block is None:
+        return [_mark_slice(t._rewrap(d)) for d in pieces]
+    rows = [_tiled_rows(t, d) for d in pieces]  # [Note: FP8 tiled slices]
+    if any(r is None for r in rows):
+        return _fallback(func, args, kwargs)  # a cut through a tile: [Note: Float8Tensor]
+    return rows  # type: ignore[return-value]
 
 
 @implements([aten.slice.Tensor])
 def _slice(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
-    if t._block is not None:
-        return _fallback(func, args, kwargs)
-    return _mark_slice(t._rewrap(func(t._data, *args[1:], **kwargs)))
+    data = func(t._data, *args[1:], **kwargs)
+    if t._block is None:
+        return _mark_slice(t._rewrap(data))
+    rows = _tiled_rows(t, data)
+    return _fallback(func, args, kwargs) if rows is None else rows
+
+
+# [Note: FP8 tiled slices]
+#     A rowwise or blockwise tensor keeps FP8 through a cut along dim 0 that falls on its tiles'
+#     row boundaries (any row for rowwise; multiples of 128 for blockwise, or the last row): the
+#     slice views its rows of the bytes and its rows of the scale grid, which no other part of
+#     the tensor shares, so unlike a per-tensor slice ([Note: FP8 slices]) it may be written
+#     (copy_, in-place ops re-quantize its own tiles). Every other cut puts bytes under another
+#     tile's scale and falls back to the dequantized values. ``new_zeros``/``new_empty`` with the
+#     tensor's columns keep FP8 (zero or new bytes, a grid of ones), and a contiguous tiled
+#     tensor viewed flat keeps FP8 and remembers the 2-D shape its grid tiles (``tile_shape``).
+#     These are the ops FSDP2's ``fully_shard`` uses: chunk (split), new_zeros, narrow (slice),
+#     copy_, view(-1) ([Note: FSDP2 extension]).
+def _tiled_rows(t: Float8Tensor, data: torch.Tensor) -> Float8Tensor | None:
+    """``data`` (a view of ``t``'s bytes) as a Float8Tensor with its rows of the scale grid, if
+    it is whole rows ``[start, stop)`` of the 2-D ``t`` cut on tile boundaries; else None."""
+    whole = t._data
+    if whole.dim() != 2 or data.dim() != 2 or data.shape[1:] != whole.shape[1:] \
+            or data.stride() != whole.stride():
+        return None
+    offset = data.storage_offset() - whole.storage_offset()
+    row = max(whole.stride(0), 1)
+    if offset % row:
+        return None
+    br, rows = t._block[0], whole.shape[0]  # type: ignore[index]
+    start = offset // row
+    stop = start + data.shape[0]
+    if start % br or (stop % br and stop != rows):
+        return None
+    grid = t._scale_inv[start // br:-(-stop // br)]
+    return Float8Tensor(data, grid, t._fp8_format, t.dtype, meta=t._meta, block=t._block)
 
 
 @implements([aten.new_zeros.default, aten.new_empty.default])
 def _new_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     """New FP8 bytes (zeros, or uninitialized) with a copy of the scale, so a shard padded or
-    created empty by FSDP2 carries the same scale as its neighbours."""
+    created empty by FSDP2 carries the same scale as its neighbours. A tiled tensor: the same
+    columns keep FP8, with a grid of ones ([Note: FP8 tiled slices])."""
     t = args[0]
     dtype = kwargs.pop("dtype", None) or t.dtype
-    if not dtype.is_floating_point or t._block is not None:
+    size = tuple(args[1]) if len(args) > 1 else ()
+    tiled_ok = t._block is not None and len(size) == 2 and size[1] == t.tile_shape[1]
+    if not dtype.is_floating_point or (t._block is not None and not tiled_ok):
         return func(t.dequantize(), *args[1:], dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
     data = func(t._data, *args[1:], **kwargs)
-    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_format, dtype)
+    if t._block is None:
+        return Float8Tensor(data, t._scale_inv.clone(), t._fp8_format, dtype)
+    br = t._block[0]
+    grid = torch.ones((-(-size[0] // br), t._scale_inv.shape[1]), dtype=torch.float32, device=data.device)
+    return Float8Tensor(data, grid, t._fp8_format, dtype, block=t._block)

@@ -440,10 +440,18 @@ class WeightQuantizers:
         init = [params[i]._scale_inv.float().reciprocal().reshape(-1).to(device) for i in self.slot]
         self.scale = torch.cat(init) if init else torch.zeros(0, device=device)
         self._ready: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        # The leading slots a step MAX-reduces over the group: all of them here (the flat engine's
+        # ranks hold pieces of the weights); an engine whose ranks hold whole tiles reduces fewer.
+        self.reduced_slots = n
 
     @property
     def num_slots(self) -> int:
         return int(self.scale.numel())
+
+    def as_tiles(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """The flat values of FP8 parameter ``index`` as its quantizer sees them: 2-D [rows,
+        cols] (a per-tensor weight: one row)."""
+        return flat.view(-1, self._geometry[index][0])
 
     def quantizer(self, index: int) -> Quantizer:
         """The quantizer of FP8 parameter ``index``."""

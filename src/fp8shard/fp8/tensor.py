@@ -8,10 +8,12 @@
     (``_scale_inv`` [rows, 1]); ``(n, n)`` for a blockwise one ([ceil(rows/n), ceil(cols/n)]),
     the scale of each tile multiplying its bytes ([Note: quantizer]). Such tiled weights are
     2-D. The ops that keep a tiled tensor FP8 are those that keep its scale grid: ``detach``,
-    ``alias``, ``clone``, ``copy_``, ``.to()``, ``empty_like`` and views to its own shape;
-    transposes, reshapes to another shape, ``as_strided``, slices and ``new_zeros`` would
-    put bytes under another tile's scale, so they run on the dequantized value (plain tensor
-    out), like any op not listed. Wrappers that share bytes (``detach``, views,
+    ``alias``, ``clone``, ``copy_``, ``.to()``, ``empty_like`` and views to its own shape, and
+    those that keep whole tiles, which FSDP2's sharding uses ([Note: FP8 tiled slices]: dim-0
+    slices cut on tile rows, ``new_zeros`` with its columns, a flat ``view(-1)`` that remembers
+    ``tile_shape``); transposes, reshapes to another shape, other ``as_strided``, slices and
+    ``new_zeros`` would put bytes under another tile's scale, so they run on the dequantized
+    value (plain tensor out), like any op not listed. Wrappers that share bytes (``detach``, views,
     ``nn.Parameter``) share the same ``_scale_inv`` tensor and the same ``_Fp8Meta``, so a change
     of bytes or scale through one is seen by all. Op semantics live in ``fp8shard.fp8.ops``:
     view-like ops stay FP8, in-place ops dequantize -> apply -> re-quantize into the same bytes,
@@ -172,17 +174,26 @@ class Float8Tensor(torch.Tensor):
             cast = quantize_with_scale(x.detach(), _check_scale(scale, x), fmt)
         return cls(cast.data, cast.scale_inv, fmt, x.dtype)
 
-    def _rewrap(self, data: torch.Tensor, share: bool = True) -> Float8Tensor:
-        """A wrapper of ``data`` with this tensor's scale (shared when ``share``)."""
+    def _rewrap(self, data: torch.Tensor, share: bool = True, tile_shape: Any = "same") -> Float8Tensor:
+        """A wrapper of ``data`` with this tensor's scale (shared when ``share``). A tiled tensor
+        viewed flat keeps the 2-D shape its grid tiles (``tile_shape``; default: this one's when
+        ``data`` has this tensor's shape)."""
         scale_inv = self._scale_inv if share else self._scale_inv.clone()
         meta = self._meta if share else None
-        return Float8Tensor(data, scale_inv, self._fp8_format, self.dtype, meta=meta, block=self._block)
+        out = Float8Tensor(data, scale_inv, self._fp8_format, self.dtype, meta=meta, block=self._block)
+        if tile_shape == "same":
+            tile_shape = self.__dict__.get("_tile_shape") if data.shape == self._data.shape else None
+        if tile_shape is not None:
+            out.__dict__["_tile_shape"] = tuple(tile_shape)
+        return out
 
     # ------------------------------------------------------------------ reading
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The value as a plain tensor of ``dtype`` (default: the nominal dtype)."""
         if self._block is not None:
-            return mul_tiles(self._data, self._scale_inv.float(), self._block).to(dtype or self.dtype)
+            data = self._data.view(self.tile_shape)  # a flat view: its grid's 2-D shape
+            value = mul_tiles(data, self._scale_inv.float(), self._block)
+            return value.view(self.shape).to(dtype or self.dtype)
         return cast_from_fp8(self._data, self._scale_inv, dtype or self.dtype)
 
     @property
@@ -194,6 +205,12 @@ class Float8Tensor(torch.Tensor):
     def block(self) -> tuple[int, int] | None:
         """The tile one scale covers, or None for one scale over the whole tensor."""
         return self._block
+
+    @property
+    def tile_shape(self) -> torch.Size:
+        """The 2-D shape the scale grid tiles: this tensor's, or for a tiled tensor viewed flat
+        (FSDP2 keeps its shard so) the shape it was viewed from ([Note: FP8 tiled slices])."""
+        return torch.Size(self.__dict__.get("_tile_shape", self.shape))
 
     @property
     def scale(self) -> torch.Tensor:
@@ -258,8 +275,8 @@ class Float8Tensor(torch.Tensor):
             if scale is not None:
                 raise ValueError("quantize_ of a rowwise or blockwise Float8Tensor takes its scales from "
                                  "its tiles' amaxes; pass scale=None")
-            data, scale_inv = quantize_tiles(x.reshape(self.shape), self._fp8_format, self._block)
-            self._data.copy_(data)
+            data, scale_inv = quantize_tiles(x.reshape(self.tile_shape), self._fp8_format, self._block)
+            self._data.copy_(data.view(self._data.shape))
             self._scale_inv.copy_(scale_inv)
             self._meta.bytes_changed()
             return self

@@ -128,7 +128,8 @@ class ShardedAdam(torch.optim.Optimizer):
         scales = scale_inv = None
         if fp8.num_slots:
             amax = kernel.local_amax()
-            self.engine.group.all_reduce(amax, "max", kind="all_reduce.amax")
+            if fp8.reduced_slots:  # FSDP2: tiles whole on this rank stay out ([Note: FSDP2 tiled weights])
+                self.engine.group.all_reduce(amax[:fp8.reduced_slots], "max", kind="all_reduce.amax")
             scales = fp8.cast_scales(amax)
             scale_inv = scales.reciprocal()
         kernel.cast(scales)

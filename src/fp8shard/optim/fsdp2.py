@@ -14,6 +14,11 @@
         amax per FP8 parameter -> ONE packed all-reduce(MAX) -> scales  [Note: weight scaling]
         cast the master shard straight into the local FP8 bytes; non-FP8 shards get master.to(dtype)
 
+    Rowwise and blockwise weights ([Note: FSDP2 tiled weights]): the amax of each of the local
+    shard's tiles, which are whole on this rank, so they stay out of the all-reduce; the cast
+    writes the local bytes and the new grid rows go onto the local shard, to be gathered with
+    the bytes at the next forward.
+
     There is no all-gather in ``step()``: FSDP2 gathers the new bytes at the next forward.
     With HSDP (a 2-D mesh: replicate x shard) the shards are replicated over the first
     dimension and FSDP2 all-reduces the gradients over it, so the replicas compute identical
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
+from fp8shard.fp8.fsdp import check_tiled_sharding, fitting_shard_worlds
 from fp8shard.fp8.quantizer import ScalingMode, WeightQuantizers
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
@@ -78,10 +84,13 @@ def fully_shard_model(model: nn.Module, mesh: Any = None, *, reshard_after_forwa
     init value a weight preserved (``fp8_model_init``) is cut to this rank's rows, so
     ``FSDP2Adam`` starts its master from it as ``DistributedFusedAdam`` does. Returns ``model``.
     """
-    if any(isinstance(p, Float8Tensor) and p.block is not None for p in model.parameters()):
-        raise ValueError("FSDP2 shards per-tensor FP8 weights only; these are rowwise or blockwise: "
-                         "train them with DistributedFusedAdam (trainer.strategy=flat)")
     mesh = default_mesh() if mesh is None else mesh
+    tiled = {n: p for n, p in model.named_parameters() if isinstance(p, Float8Tensor) and p.block is not None}
+    if tiled:  # cut into whole tiles, or refused before anything is sharded ([Note: FSDP2 tiled weights])
+        fits = sorted(set.intersection(*(set(fitting_shard_worlds([tuple(p.shape)], p.block))
+                                         for p in tiled.values())))
+        for n, p in tiled.items():
+            check_tiled_sharding(tuple(p.shape), p.block, mesh.size(mesh.ndim - 1), repr(n), fits)
     hp_init = {n: p.get_high_precision_init_val() for n, p in model.named_parameters()
                if isinstance(p, Float8Tensor)}
     fully_shard = _fully_shard()
@@ -142,11 +151,13 @@ class FSDP2Kernel(ReferenceKernel):
                 for p, m in zip(self.params, self.masters, strict=True)]
 
     def local_amax(self) -> torch.Tensor:
-        """Each FP8 weight's ``local_stats`` of its local shard (per tensor: one row, one slot)."""
+        """Each FP8 weight's ``local_stats`` of its local shard (per tensor: one row, one slot;
+        rowwise or blockwise: its local tiles, one slot each)."""
         amax = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
-        for i, s in self.fp8.slot.items():
+        for i, (start, k) in self.fp8.span.items():
             if self.masters[i].numel():  # an empty shard (fewer rows than ranks) has amax 0
-                amax[s] = self.fp8.quantizer(i).local_stats(self.masters[i].view(1, -1), "weight")
+                stats = self.fp8.quantizer(i).local_stats(self.fp8.as_tiles(i, self.masters[i]), "weight")
+                amax[start:start + k] = stats.reshape(-1)
         return amax
 
     def cast(self, scales: torch.Tensor | None) -> None:
@@ -156,10 +167,52 @@ class FSDP2Kernel(ReferenceKernel):
                 continue
             if isinstance(local, Float8Tensor):
                 assert scales is not None
-                self.fp8.quantizer(i).cast_scaled(self.masters[i].view(local.shape), scales[self.fp8.slot[i]],
+                start, k = self.fp8.span[i]
+                grid = scales[start:start + k].view(local.scale_inv.shape)  # 0-d, or the local grid
+                self.fp8.quantizer(i).cast_scaled(self.masters[i].view(local.shape), grid,
                                                   local.fp8_format, "weight", out=local._data)
             else:
                 local.copy_(self.masters[i].view(local.shape).to(local.dtype))
+
+
+class FSDP2WeightScales(WeightQuantizers):
+    """``WeightQuantizers`` on FSDP2's local shards ([Note: FSDP2 tiled weights]).
+
+    A per-tensor weight has one slot, whose stats every rank's shard contributes to (MAX-reduced,
+    [Note: weight scaling]). A rowwise or blockwise weight's slots are the tiles of this rank's
+    shard: FSDP2 cuts it on tile rows, so each tile is whole on one rank and its stats are final
+    there -- no all-reduce (they follow the per-tensor slots, so ``reduced_slots`` counts only
+    those), and the scales travel as the grid rows FSDP2 gathers beside the bytes. A checkpoint
+    holds the whole grid, as the flat engine's does: ``state`` gathers it from the shard ranks,
+    ``load_state`` keeps this rank's rows. ``rows``: index -> (first row of the local shard,
+    rows of the weight).
+    """
+
+    def __init__(self, params: dict[int, Float8Tensor], mode: ScalingMode, recipe: DelayedScaling | None,
+                 device: torch.device, group: Group, rows: Mapping[int, tuple[int, int]]) -> None:
+        super().__init__(params, mode, recipe, device)
+        self.reduced_slots = sum(1 for p in params.values() if p.block is None)
+        self.group = group
+        # tiled weight -> (its first grid row here, its grid rows in all)
+        self._grid_rows = {i: (rows[i][0] // p.block[0], -(-rows[i][1] // p.block[0]))
+                           for i, p in self.tiled.items()}
+
+    def state(self, index: int) -> dict[str, torch.Tensor]:
+        st = super().state(index)
+        if index in self._grid_rows:  # every shard rank's grid rows, in order (even shards)
+            mine = st["scale"].contiguous()
+            full = mine.new_empty((self.group.world_size * mine.shape[0], mine.shape[1]))
+            self.group.all_gather(full, mine, kind="all_gather.fp8_scale_grid")
+            st["scale"] = full[:self._grid_rows[index][1]]
+        return st
+
+    def load_state(self, index: int, sd: dict[str, torch.Tensor]) -> None:
+        if index in self._grid_rows:
+            first, total = self._grid_rows[index]
+            local = self.span[index][1] // max(self._geometry[index][2], 1)
+            grid = sd["scale"].reshape(total, -1)
+            sd = {**sd, "scale": grid[first:first + local]}
+        super().load_state(index, sd)
 
 
 class FSDP2Engine:
@@ -189,6 +242,7 @@ class FSDP2Engine:
             self._wire = count_fsdp_wire(module)
         self.comm = CommCounter()
         self.group = Group(_shard_group(params[0]), self.comm)
+        _check_fp8_shards(params, Group(self.group.pg if self.group.distributed else None, CommCounter()))
         self.master: list[torch.Tensor] = []
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
@@ -205,7 +259,8 @@ class FSDP2Engine:
             self.exp_avg_sq.append(torch.zeros(local.numel(), dtype=state_dtype, device=device))
         fp8 = {i: t for i, t in ((i, local_shard(p)) for i, p in enumerate(params))
                if isinstance(t, Float8Tensor)}
-        self.fp8 = WeightQuantizers(fp8, fp8_weight_scaling, delayed_scaling, device)
+        self.fp8 = FSDP2WeightScales(fp8, fp8_weight_scaling, delayed_scaling, device, self.group,
+                                     {i: (shard_rows(params[i])[0], params[i].shape[0]) for i in fp8})
         runs: list[list[Run]] = [[] for _ in range(num_groups)]
         for i, m in enumerate(self.master):
             if m.numel():
@@ -221,12 +276,11 @@ class FSDP2Engine:
         return any(p.grad is not None for p in self.params)
 
     def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
-        """The new scales onto the local FP8 shards; FSDP2 gathers the bytes at the next forward."""
-        for i, s in self.fp8.slot.items():
+        """The new scales (or scale grid rows) onto the local FP8 shards; FSDP2 gathers the bytes
+        (and grid rows) at the next forward."""
+        if self.fp8.slot:
             assert scale_inv is not None
-            local = local_shard(self.params[i])
-            local._scale_inv.copy_(scale_inv[s])
-            local.mark_bytes_changed()
+            self.fp8.set_scale_inv({i: local_shard(self.params[i]) for i in self.fp8.slot}, scale_inv)
 
     def wait_gathers(self) -> None:
         """Nothing in flight after ``step()``."""
@@ -313,10 +367,34 @@ def _check_sharded(params: list[torch.Tensor]) -> None:
         if not isinstance(p, DTensor):
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not sharded by FSDP2; call "
                              "fully_shard_model(model, mesh) before building FSDP2Adam")
-    meshes = {id(p.device_mesh) for p in params}
-    if len(meshes) > 1:
+    # Equal meshes, not the same object: FSDP2 may give a module's parameters equal copies of
+    # the mesh it was called with (seen with torch 2.13 for the third layer of a stack).
+    if any(p.device_mesh != params[0].device_mesh for p in params[1:]):
         raise ValueError("FSDP2Adam needs every parameter on one device mesh; shard the whole "
                          "model with one fully_shard_model(model, mesh) call")
+
+
+def _check_fp8_shards(params: list[torch.Tensor], group: Group) -> None:
+    """Every shard rank holds the same kind of local shard of each parameter (plain, per-tensor
+    FP8, or tiled FP8), and tiled ones cut into whole tiles. A rowwise or blockwise weight that
+    torch's ``fully_shard`` cut through its tiles (``fully_shard_model`` refuses that up front)
+    can leave some ranks a plain shard, or a grid of its own: refused here, on every rank alike."""
+    kinds = torch.tensor([0 if not isinstance(t, Float8Tensor) else 1 if t.block is None else 2
+                          for t in map(local_shard, params)], dtype=torch.float32)
+    both = torch.cat([kinds, -kinds])
+    group.all_reduce(both, "max", kind="all_reduce.setup")
+    bad = [i for i in range(len(params)) if both[i] != -both[len(params) + i]]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"parameter {i} (shape {tuple(params[i].shape)}) is an FP8 shard on some ranks "
+                         "and a plain one on others: FSDP2 cut a rowwise or blockwise FP8 weight through "
+                         "its tiles. Shard the model with fully_shard_model(model, mesh), which refuses "
+                         "such shapes and names the fix ([Note: FSDP2 tiled weights])")
+    for i, p in enumerate(params):  # the same kinds on every rank now: the same decisions
+        local = local_shard(p)
+        if isinstance(local, Float8Tensor) and local.block is not None:
+            shard_world = p.device_mesh.size(p.device_mesh.ndim - 1)
+            check_tiled_sharding(tuple(p.shape), local.block, shard_world, f"parameter {i}")
 
 
 class FSDP2Adam(ShardedAdam):

@@ -191,7 +191,8 @@ class ModelConfig(TransformerShape, BatchShape):
     (per-tensor amax of each cast), rowwise (one scale per row of each GEMM operand, torchao's) or
     blockwise (1x128 activation/gradient tiles, 128x128 weight blocks, DeepSeek-V3's); with
     model.fp8_params=true rowwise and blockwise store their weights with one scale per row or per
-    128x128 block (flat engine only). docs/fp8.md, 'Scaling recipes'."""
+    128x128 block (with trainer.strategy=fsdp2: rows cut into whole tiles over the shard ranks,
+    docs/engines.md). docs/fp8.md, 'Scaling recipes'."""
     fp8_gemm: Literal["auto", "scaled_mm", "emulated"] = "auto"
     """How FP8 GEMMs run: auto (GPU: torch._scaled_mm; CPU: the emulated path unless a one-time
     measurement shows torch._scaled_mm is not slower, since some CPUs serve it with a reference

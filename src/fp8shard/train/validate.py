@@ -150,10 +150,6 @@ def _fp8(cfg: Config) -> None:
     if m.fp8_params and not m.fp8:
         raise ConfigError("model.fp8_params=true needs model.fp8=true (FP8 weights are only used by "
                           "FP8 GEMMs); set model.fp8=true or model.fp8_params=false")
-    if m.fp8_params and m.fp8_recipe in ("rowwise", "blockwise") and cfg.trainer.strategy == "fsdp2":
-        raise ConfigError(f"model.fp8_recipe={m.fp8_recipe} with model.fp8_params=true trains with the flat "
-                          f"engine only (FSDP2 gathers per-tensor FP8 weights); set trainer.strategy=flat, "
-                          "or model.fp8_params=false, or model.fp8_recipe=delayed|current|tensorwise")
     if m.fp8_params and m.optim.name != "distributed_fused_adam":
         raise ConfigError("model.fp8_params=true needs model.optim.name=distributed_fused_adam (it keeps "
                           "the FP32 master weights); valid with adamw: model.fp8_params=false")
@@ -189,6 +185,28 @@ def _strategy(cfg: Config, world_size: int) -> None:
     for bad, why in problems:
         if bad:
             raise ConfigError(f"trainer.strategy=fsdp2: {why}")
+    _fsdp2_tiled_weights(cfg, world_size // t.hsdp_replicate)
+
+
+def _fsdp2_tiled_weights(cfg: Config, shard_world: int) -> None:
+    """Rowwise or blockwise FP8 weights under FSDP2: the block projections' rows must cut into
+    whole tiles over the shard ranks ([Note: FSDP2 tiled weights]), checked before building."""
+    m = cfg.model
+    if not (m.fp8_params and m.fp8_recipe in ("rowwise", "blockwise")):
+        return
+    from fp8shard.fp8.fsdp import check_tiled_sharding, fitting_shard_worlds
+
+    block = (1, 1) if m.fp8_recipe == "rowwise" else (128, 128)
+    inner = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    shapes = {"qkv": (3 * m.hidden_size, m.hidden_size), "proj": (m.hidden_size, m.hidden_size),
+              "fc1": (inner, m.hidden_size), "fc2": (m.hidden_size, m.ffn_hidden_size)}
+    fits = fitting_shard_worlds(list(shapes.values()), block)
+    for name, shape in shapes.items():
+        try:
+            check_tiled_sharding(shape, block, shard_world, name, fits)
+        except ValueError as e:
+            raise ConfigError(f"trainer.strategy=fsdp2 with model.fp8_recipe={m.fp8_recipe} "
+                              f"model.fp8_params=true: {e}") from None
 
 
 def _optim(cfg: Config) -> None:
