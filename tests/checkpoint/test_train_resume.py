@@ -159,3 +159,40 @@ def test_resume_modes_refuse_to_mix_runs(tmp_path):
     for mode in ("never", str(other)):
         with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(newest: step_0+4\)"):
             resume_candidates(cfg(mode), root)
+
+
+def test_a_resumed_cpu_run_keeps_the_gemm_path_it_began_with(tmp_path, monkeypatch):
+    """[Note: resumed GEMM path]: model.fp8_gemm=auto measures the faster CPU path per process;
+    a resumed run takes the one its checkpoint was trained with (the other sums in another order,
+    so the continuation would not be bit for bit), and an explicit setting wins."""
+    from fp8shard.fp8 import gemm
+    from fp8shard.train import loop
+    from fp8shard.train.config import load_config
+    from fp8shard.train.distributed import DistEnv
+    from tests.reliability.common import run_args
+
+    cpu = DistEnv(0, 1, 0, torch.device("cpu"), None)
+    monkeypatch.setattr(gemm, "_setting", gemm._setting)  # restored after the test
+    run = tmp_path / "run"
+    common = ["checkpoint.every_n_steps=2", "trainer.val_check_interval=100", "exp_manager.plots=false"]
+
+    def trainer(steps: int, *extra: str, measured: str) -> loop.Trainer:
+        other = "scaled_mm" if measured == "emulated" else "emulated"
+        monkeypatch.setattr(gemm, "_cpu_auto", {"path": measured, f"{measured}_ms": 1.0, f"{other}_ms": 2.0})
+        cfg = load_config(run_args(run, *common, f"trainer.max_steps={steps}", *extra), world_size=1)
+        return loop.Trainer(cfg, cpu)
+
+    first = trainer(2, measured="emulated")
+    first.fit()
+    first.close()
+    last = latest_checkpoint(run / "checkpoints")
+    assert read_manifest(last)["extra"]["fp8_gemm"] == {"device": "cpu", "path": "emulated"}
+
+    resumed = trainer(3, measured="scaled_mm")  # this process would pick the other path
+    assert resumed.step == 2
+    assert resumed.compute["fp8_gemm_path"] == "emulated" and gemm.resolved_gemm_path("cpu") == "emulated"
+    resumed.close()
+
+    chosen = trainer(3, "model.fp8_gemm=scaled_mm", measured="emulated")  # the setting wins
+    assert chosen.step == 2 and chosen.compute["fp8_gemm_path"] == "scaled_mm"
+    chosen.close()

@@ -68,7 +68,9 @@ def describe_compute(info: dict[str, Any]) -> str:
     parts = []
     if "fp8_gemm_path" in info:
         why = ""
-        if "fp8_gemm_timings_ms" in info:
+        if info.get("fp8_gemm_from_checkpoint"):
+            why = " (auto: kept from the checkpoint)"
+        elif "fp8_gemm_timings_ms" in info:
             t = info["fp8_gemm_timings_ms"]
             why = f" (auto: _scaled_mm {t['scaled_mm_ms']:.2f} ms vs emulated {t['emulated_ms']:.2f} ms)"
         elif info["fp8_gemm"] != "auto":

@@ -43,6 +43,7 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
+from fp8shard.fp8 import gemm
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
@@ -201,6 +202,14 @@ class Trainer:
             self.rec.say(note)
 
     # ------------------------------------------------------------------ checkpoints
+    # [Note: resumed GEMM path]
+    #     On the CPU, model.fp8_gemm=auto times torch._scaled_mm against the emulated product once
+    #     per process (fp8/gemm.py); the two round alike but sum in another order, so the losses
+    #     differ in their last bits. Where the two timings are close (a CPU with an FP8 oneDNN
+    #     kernel: 0.37 against 0.33 ms on one 2-core VM) a busy machine can flip the choice
+    #     between a run and its resumption, which then no longer continues bit for bit (seen on
+    #     torch 2.11 under the test suite's load). So a checkpoint records the path its run used,
+    #     and a resumed CPU run with fp8_gemm=auto takes that path; an explicit setting wins.
     def _data_tokens(self) -> dict[str, int]:
         return {"train": len(self.data.train), "val": len(self.data.val)}
 
@@ -231,6 +240,7 @@ class Trainer:
         else:  # the same mean over a different number of ranks
             total = sum(window["loss_sums"]) * self.env.world_size / info.world_size
             self.window = [total if self.env.is_main else 0.0, window["steps"]]
+        self._keep_gemm_path(extra.get("fp8_gemm"), notes)
         if not info.rng_restored:  # another world size: fresh streams, still per rank and step
             torch.manual_seed(self.cfg.model.seed + 1 + self.env.rank + 1_000_003 * self.step)
         notes.append(f"resumed from {path} at step {self.step} (saved by {info.world_size} rank(s))")
@@ -239,6 +249,21 @@ class Trainer:
                          f"({extra.get('lr_schedule')} -> {self._schedule_state()}); the continued "
                          "run follows the new one")
         return path
+
+    def _keep_gemm_path(self, saved: Any, notes: list[str]) -> None:
+        """[Note: resumed GEMM path]: with ``model.fp8_gemm=auto`` on the CPU, a resumed run takes
+        the FP8 GEMM path its checkpoint was trained with, not this process's measurement."""
+        here = self.compute.get("fp8_gemm_path")
+        if (not isinstance(saved, dict) or here is None or self.cfg.model.fp8_gemm != "auto"
+                or self.env.device.type != "cpu" or saved.get("device") != "cpu"
+                or saved.get("path") not in ("scaled_mm", "emulated") or saved["path"] == here):
+            return
+        gemm.set_fp8_gemm(saved["path"])
+        self.compute["fp8_gemm_path"] = saved["path"]
+        self.compute["fp8_gemm_from_checkpoint"] = True
+        notes.append(f"note: FP8 GEMMs {saved['path']} as in the checkpoint (this process measured "
+                     f"{here} as the faster): a run goes on with the path it began with, so it resumes "
+                     "bit for bit; set model.fp8_gemm=scaled_mm or emulated to choose")
 
     def _schedule_state(self) -> dict[str, Any]:
         s = self.cfg.model.optim.sched
@@ -254,7 +279,8 @@ class Trainer:
         extra = {"step": self.step, "data": self.loader.state_dict(), "lr_schedule": self._schedule_state(),
                  "log_window": {"loss_sums": sums, "steps": self.window[1]},
                  "skipped_steps": self.skipped_steps, **self._fault_counts(), "config": to_dict(self.cfg),
-                 "data_tokens": self._data_tokens()}
+                 "data_tokens": self._data_tokens(),
+                 "fp8_gemm": {"device": self.env.device.type, "path": self.compute.get("fp8_gemm_path")}}
         with self.faults.save_fault(self.step, self.env.rank):  # a test's injected save failure
             return save_checkpoint(checkpoint_path(self.ckpt_root, self.step), self.model, self.opt,
                                    step=self.step, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
