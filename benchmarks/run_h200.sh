@@ -11,7 +11,10 @@
 #   reference      against the compiled plain-PyTorch GPT and torchao float8, 125M and 1.3B (time-boxed)
 #   profile        where a GPT step's time goes, and the Linear's and the cast's
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
-#   all            every part above, in that order
+#   parity         the 125M loss-parity preset, three runs at a time, time-boxed (PARITY_BOX_S, default
+#                  540 s) and resumable: repeat the same call until it prints the table (PARITY_RECIPES
+#                  picks the recipes; runs/parity_125m stays on the machine while it is held)
+#   all            every part above but parity, in that order
 # Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/h200_out}"
@@ -24,8 +27,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # torchao, carried as a wheel (no networ
 fi
 part="${1:-all}"
 case "$part" in
-  tests|micro|train|peers|peers-compile|reference|profile|engines|all) ;;
-  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines or all" >&2
+  tests|micro|train|peers|peers-compile|reference|profile|engines|parity|all) ;;
+  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines, parity or all" >&2
      exit 2 ;;
 esac
 py=python3
@@ -106,4 +109,13 @@ if want engines; then
   # (blocks compiled, FP8 all-gather); every system eager but torchao's blocks.
   run $py benchmarks/compare_peers.py --gpu --size 1b --systems fp8shard-fp8,fp8shard-fsdp2,torchao-fsdp2 \
     --out "$OUT/compare_engines_1b.json" 2>&1 | tail -6
+fi
+if [ "$part" = parity ]; then
+  # Issue 17 on the GPU: bf16 against the FP8 recipes, 3 seeds, 1000 steps of GPT-2 small
+  # (docs/numerics.md). SIGTERM stops the benchmark cleanly, keeping each run's checkpoints; the
+  # next call with --reuse reads the finished runs and resumes the others.
+  run timeout -k 30 -s TERM "${PARITY_BOX_S:-540}" $py benchmarks/parity.py --preset h200-125m \
+    --recipes "${PARITY_RECIPES:-bf16,fp8-current,fp8-delayed,fp8-rowwise,fp8-blockwise}" --gpus 0,0,0 \
+    --out runs/parity_125m --reuse 2>&1 | tail -20
+  cp runs/parity_125m/parity.json runs/parity_125m/parity.png "$OUT/" 2>/dev/null || true
 fi
