@@ -379,10 +379,12 @@ def _check_fp8_shards(params: list[torch.Tensor], group: Group) -> None:
     FP8, or tiled FP8), and tiled ones cut into whole tiles. A rowwise or blockwise weight that
     torch's ``fully_shard`` cut through its tiles (``fully_shard_model`` refuses that up front)
     can leave some ranks a plain shard, or a grid of its own: refused here, on every rank alike."""
+    locals_ = [local_shard(p) for p in params]
     kinds = torch.tensor([0 if not isinstance(t, Float8Tensor) else 1 if t.block is None else 2
-                          for t in map(local_shard, params)], dtype=torch.float32)
+                          for t in locals_], dtype=torch.float32, device=locals_[0].device)  # NCCL: GPU
     both = torch.cat([kinds, -kinds])
     group.all_reduce(both, "max", kind="all_reduce.setup")
+    both = both.tolist()
     bad = [i for i in range(len(params)) if both[i] != -both[len(params) + i]]
     if bad:
         i = bad[0]
@@ -390,8 +392,7 @@ def _check_fp8_shards(params: list[torch.Tensor], group: Group) -> None:
                          "and a plain one on others: FSDP2 cut a rowwise or blockwise FP8 weight through "
                          "its tiles. Shard the model with fully_shard_model(model, mesh), which refuses "
                          "such shapes and names the fix ([Note: FSDP2 tiled weights])")
-    for i, p in enumerate(params):  # the same kinds on every rank now: the same decisions
-        local = local_shard(p)
+    for i, (p, local) in enumerate(zip(params, locals_, strict=True)):  # same kinds everywhere now
         if isinstance(local, Float8Tensor) and local.block is not None:
             shard_world = p.device_mesh.size(p.device_mesh.ndim - 1)
             check_tiled_sharding(tuple(p.shape), local.block, shard_world, f"parameter {i}")
