@@ -63,6 +63,31 @@ def configure_compute(cfg: Config, env: DistEnv) -> dict[str, Any]:
     return info
 
 
+# [Note: resumed GEMM path]
+#     On the CPU, model.fp8_gemm=auto times torch._scaled_mm against the emulated product once per
+#     process (fp8/gemm.py); the two round alike but sum in another order, so the losses differ in
+#     their last bits. Where the two timings are close (a CPU with an FP8 oneDNN kernel: 0.37
+#     against 0.33 ms on one 2-core VM) a busy machine can flip the choice between a run and its
+#     resumption, which then no longer continues bit for bit (seen on torch 2.11 under the test
+#     suite's load). So a checkpoint records the path its run used (``Trainer.save``), and a
+#     resumed CPU run with fp8_gemm=auto takes that path; an explicit setting wins.
+def keep_checkpoint_gemm_path(cfg: Config, env: DistEnv, compute: dict[str, Any], saved: Any) -> list[str]:
+    """[Note: resumed GEMM path]: switch this process to the FP8 GEMM path ``saved`` in the
+    checkpoint (``{"device", "path"}``) where the run is on the CPU with ``model.fp8_gemm=auto``
+    and measured the other one; updates ``compute`` and returns the note to print (or none)."""
+    here = compute.get("fp8_gemm_path")
+    if (not isinstance(saved, dict) or here is None or cfg.model.fp8_gemm != "auto"
+            or env.device.type != "cpu" or saved.get("device") != "cpu"
+            or saved.get("path") not in ("scaled_mm", "emulated") or saved["path"] == here):
+        return []
+    gemm.set_fp8_gemm(saved["path"])
+    compute["fp8_gemm_path"] = saved["path"]
+    compute["fp8_gemm_from_checkpoint"] = True
+    return [f"note: FP8 GEMMs {saved['path']} as in the checkpoint (this process measured {here} as the "
+            "faster): a run goes on with the path it began with, so it resumes bit for bit; set "
+            "model.fp8_gemm=scaled_mm or emulated to choose"]
+
+
 def describe_compute(info: dict[str, Any]) -> str:
     """One phrase for the run's first line, e.g. ``FP8 GEMMs emulated (auto: ...), 1 thread``."""
     parts = []

@@ -43,7 +43,6 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
-from fp8shard.fp8 import gemm
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
@@ -56,6 +55,7 @@ from fp8shard.train.builders import (
     configure_compute,
     count_fp8_linears,
     describe_compute,
+    keep_checkpoint_gemm_path,
     memory_by_category,
     params_dtype,
 )
@@ -180,10 +180,8 @@ class Trainer:
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
         if self.cuda_graphs and m.fp8:
-            notes.append("warning: trainer.compile_mode=reduce-overhead with model.fp8=true is untried "
-                         "territory: on an H100 the 125M FP8 run did not finish its first step within "
-                         "105 s (bf16 does; docs/benchmarks.md, 2026-12-06); trainer.compile_mode=default "
-                         "is the measured path")
+            notes.append("warning: trainer.compile_mode=reduce-overhead with FP8 is unmeasured: the 125M FP8 "
+                         "run did not end step 1 in 105 s on an H100 (docs/benchmarks.md); default: measured")
         # [Note: compiled first call] (after any resume: a loaded history needs no first call)
         self.eager_first_call = (self.compiled and self.amax_sync is not None
                                  and self.amax_sync.first_call_pending())
@@ -202,14 +200,6 @@ class Trainer:
             self.rec.say(note)
 
     # ------------------------------------------------------------------ checkpoints
-    # [Note: resumed GEMM path]
-    #     On the CPU, model.fp8_gemm=auto times torch._scaled_mm against the emulated product once
-    #     per process (fp8/gemm.py); the two round alike but sum in another order, so the losses
-    #     differ in their last bits. Where the two timings are close (a CPU with an FP8 oneDNN
-    #     kernel: 0.37 against 0.33 ms on one 2-core VM) a busy machine can flip the choice
-    #     between a run and its resumption, which then no longer continues bit for bit (seen on
-    #     torch 2.11 under the test suite's load). So a checkpoint records the path its run used,
-    #     and a resumed CPU run with fp8_gemm=auto takes that path; an explicit setting wins.
     def _data_tokens(self) -> dict[str, int]:
         return {"train": len(self.data.train), "val": len(self.data.val)}
 
@@ -240,7 +230,7 @@ class Trainer:
         else:  # the same mean over a different number of ranks
             total = sum(window["loss_sums"]) * self.env.world_size / info.world_size
             self.window = [total if self.env.is_main else 0.0, window["steps"]]
-        self._keep_gemm_path(extra.get("fp8_gemm"), notes)
+        notes.extend(keep_checkpoint_gemm_path(self.cfg, self.env, self.compute, extra.get("fp8_gemm")))
         if not info.rng_restored:  # another world size: fresh streams, still per rank and step
             torch.manual_seed(self.cfg.model.seed + 1 + self.env.rank + 1_000_003 * self.step)
         notes.append(f"resumed from {path} at step {self.step} (saved by {info.world_size} rank(s))")
@@ -249,21 +239,6 @@ class Trainer:
                          f"({extra.get('lr_schedule')} -> {self._schedule_state()}); the continued "
                          "run follows the new one")
         return path
-
-    def _keep_gemm_path(self, saved: Any, notes: list[str]) -> None:
-        """[Note: resumed GEMM path]: with ``model.fp8_gemm=auto`` on the CPU, a resumed run takes
-        the FP8 GEMM path its checkpoint was trained with, not this process's measurement."""
-        here = self.compute.get("fp8_gemm_path")
-        if (not isinstance(saved, dict) or here is None or self.cfg.model.fp8_gemm != "auto"
-                or self.env.device.type != "cpu" or saved.get("device") != "cpu"
-                or saved.get("path") not in ("scaled_mm", "emulated") or saved["path"] == here):
-            return
-        gemm.set_fp8_gemm(saved["path"])
-        self.compute["fp8_gemm_path"] = saved["path"]
-        self.compute["fp8_gemm_from_checkpoint"] = True
-        notes.append(f"note: FP8 GEMMs {saved['path']} as in the checkpoint (this process measured "
-                     f"{here} as the faster): a run goes on with the path it began with, so it resumes "
-                     "bit for bit; set model.fp8_gemm=scaled_mm or emulated to choose")
 
     def _schedule_state(self) -> dict[str, Any]:
         s = self.cfg.model.optim.sched
