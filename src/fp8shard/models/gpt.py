@@ -99,8 +99,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.bias)
-        self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        shapes = cfg.projection_shapes()
+        self.qkv = Linear(*reversed(shapes["qkv"]), bias=cfg.bias)
+        self.proj = Linear(*reversed(shapes["proj"]), bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, t, c = x.shape
@@ -120,9 +121,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        inner = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
-        self.fc1 = Linear(cfg.hidden_size, inner, bias=cfg.bias)
-        self.fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+        shapes = cfg.projection_shapes()
+        self.fc1 = Linear(*reversed(shapes["fc1"]), bias=cfg.bias)
+        self.fc2 = Linear(*reversed(shapes["fc2"]), bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

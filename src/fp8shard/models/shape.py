@@ -42,6 +42,13 @@ class TransformerShape:
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each block's four projections, ``name -> (out_features, in_features)`` (the FP8 layers;
+        SwiGLU's fc1 is the fused gate and up projection)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        fc1 = 2 * f if self.activation == "swiglu" else f
+        return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (fc1, h), "fc2": (h, f)}
+
     def shape_kwargs(self) -> dict[str, Any]:
         """The shape's fields and values (to build another config of the same shape)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerShape)}

@@ -68,10 +68,10 @@ class Estimate:
 def param_counts(cfg: Config, vocab_size: int) -> tuple[int, int]:
     """(elements of the block projection matrices, elements of every other parameter)."""
     m = cfg.model
-    h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_layers
-    fc1 = 2 * f if m.activation == "swiglu" else f
-    matrices = n * (3 * h * h + h * h + h * fc1 + f * h)
-    biases = n * (3 * h + h + fc1 + h) if m.bias else 0
+    h, n = m.hidden_size, m.num_layers
+    shapes = m.projection_shapes().values()
+    matrices = n * sum(out * inp for out, inp in shapes)
+    biases = n * sum(out for out, _ in shapes) if m.bias else 0
     norm = h * (2 if m.normalization == "layernorm" and m.bias else 1)
     positions = (m.max_position_embeddings or m.encoder_seq_length) * h
     other = (biases + (2 * n + 1) * norm + vocab_size * h
@@ -125,7 +125,7 @@ def estimate(cfg: Config, world_size: int, vocab_size: int, on_gpu: bool) -> Est
     init_copy = total * 4  # the fp32 init model / the FP8 weights' init values
     elem = 2 if t.precision == "bf16-mixed" else 4
     b, s = m.micro_batch_size, m.encoder_seq_length
-    fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    fc1 = m.projection_shapes()["fc1"][0]
     device = {
         "parameters and optimizer": weights + grads + sharded + (0 if on_gpu else init_copy),
         "activations": m.num_layers * b * s * (12 * m.hidden_size + 3 * fc1) * elem,

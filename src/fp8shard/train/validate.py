@@ -197,9 +197,7 @@ def _fsdp2_tiled_weights(cfg: Config, shard_world: int) -> None:
     from fp8shard.fp8.fsdp import check_tiled_sharding, fitting_shard_worlds
 
     block = (1, 1) if m.fp8_recipe == "rowwise" else (128, 128)
-    inner = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
-    shapes = {"qkv": (3 * m.hidden_size, m.hidden_size), "proj": (m.hidden_size, m.hidden_size),
-              "fc1": (inner, m.hidden_size), "fc2": (m.hidden_size, m.ffn_hidden_size)}
+    shapes = m.projection_shapes()
     fits = fitting_shard_worlds(list(shapes.values()), block)
     for name, shape in shapes.items():
         try:
