@@ -3,10 +3,12 @@
     python benchmarks/bench_linear.py [--device cpu|cuda] [--quick] [--no-compile] [--out FILE.json]
                                       [--tokens N] [--variants "fp8 current,fp8 delayed"]
                                       [--recipe tensorwise|delayed|rowwise|blockwise ...]
+                                      [--shapes 768x3072,3072x768] [--compile-only]
 
 Shapes: 8192 tokens, 4096->14336 and 14336->4096 (an LLM FFN); ``--quick``: 128 tokens,
 256->512 and 512->256 (CPU-sized); ``--tokens`` changes the token count only (the FFN's
-weights at fewer tokens: its SQNR figures on a CPU). Every variant computes in bf16 inputs and weights:
+weights at fewer tokens: its SQNR figures on a CPU); ``--shapes IN x OUT,...`` other layers (the
+sweep behind the FP8 layer filter, docs/performance.md). Every variant computes in bf16 inputs and weights:
   bf16             torch.nn.Linear
   fp8 current      fp8shard.nn.Linear, bf16 weight, CurrentScaling
   fp8 delayed      fp8shard.nn.Linear, bf16 weight, DelayedScaling (AmaxSync.step() after
@@ -127,7 +129,7 @@ def _run_shape(tokens: int, in_f: int, out_f: int, args: argparse.Namespace) -> 
     with torch.no_grad():
         y_ref = ref(x).float()
     rows = []
-    for compiled in (False, True) if args.compile else (False,):
+    for compiled in args.modes:
         for variant in args.variants:
             try:
                 rows.append(_measure(variant, compiled, ref, x, dy, y_ref, args))
@@ -172,6 +174,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CPU)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager only")
+    ap.add_argument("--compile-only", action="store_true", help="compiled only (no eager rows)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated IN x OUT layer shapes, e.g. 768x3072,3072x768 (with --tokens; "
+                         "the FP8 layer filter's sweep, [Note: FP8 layer filter])")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -185,8 +191,19 @@ def main() -> None:
                               else args.variants)
     shapes = [(128, 256, 512), (128, 512, 256)] if args.quick else [(8192, 4096, 14336),
                                                                         (8192, 14336, 4096)]
+    if args.shapes:
+        try:
+            shapes = [(shapes[0][0], *(int(d) for d in s.lower().split("x"))) for s in args.shapes.split(",")]
+        except ValueError:
+            raise SystemExit(f"bench_linear.py: --shapes takes IN x OUT pairs such as 768x3072,3072x768, "
+                             f"got {args.shapes!r}") from None
+        if any(len(s) != 3 for s in shapes):
+            raise SystemExit(f"bench_linear.py: each --shapes entry is IN x OUT, got {args.shapes!r}")
     if args.tokens is not None:
         shapes = [(args.tokens, i, o) for _, i, o in shapes]
+    if args.compile_only and not args.compile:
+        raise SystemExit("bench_linear.py: --compile-only and --no-compile leave nothing to run")
+    args.modes = (True,) if args.compile_only else (False, True) if args.compile else (False,)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     args.reps = args.reps if args.reps is not None else (5 if args.quick else 30)
     rows = [r for shape in shapes for r in _run_shape(*shape, args)]

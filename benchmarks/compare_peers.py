@@ -186,6 +186,15 @@ def after_backward(ctx: Any) -> None:
         hook()
 
 
+def _select_fp8_layers(model: torch.nn.Module, cfg: dict, device: torch.device) -> str:
+    """The training command's model.fp8_layers on an fp8shard model ([Note: FP8 layer filter])."""
+    import fp8shard as fs
+
+    policy = cfg.get("fp8_layers", "all")
+    n, total = fs.nn.select_fp8_layers(model, policy, device)
+    return f"FP8 compute in {n}/{total} layers (fp8_layers={policy})"
+
+
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
     """(model, optimizer, forward-context factory, note) for one system."""
     import fp8shard as fs
@@ -208,7 +217,7 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         model.to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
-        note = f"{cfg.get('recipe', 'delayed')} scaling"
+        note = f"{cfg.get('recipe', 'delayed')} scaling; " + _select_fp8_layers(model, cfg, device)
         note += "; " + _compile_fp8shard(model, recipe, scope, backend, mode) if compiled else ""
         return model, opt, Fp8Context(model, recipe), note
     if system == "fp8shard-fsdp2":  # the same FP8 weights and optimizer math on FSDP2 (eager)
@@ -222,7 +231,9 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
         fully_shard_model(model, default_mesh(), reshard_after_forward=False)
         opt = FSDP2Adam(model.parameters(), lr=lr, weight_decay=0.0)
         recipe = fs.DelayedScaling() if cfg.get("recipe", "delayed") == "delayed" else fs.CurrentScaling()
-        return model, opt, Fp8Context(model, recipe), f"{cfg.get('recipe', 'delayed')} scaling; FSDP2 engine"
+        note = (f"{cfg.get('recipe', 'delayed')} scaling; FSDP2 engine; "
+                + _select_fp8_layers(model, cfg, device))
+        return model, opt, Fp8Context(model, recipe), note
     if system == "fp8shard-bf16":
         model = GPT(gcfg).to(device).to(torch.bfloat16)
         opt = DistributedFusedAdam(model.parameters(), lr=lr, weight_decay=0.0)
@@ -372,7 +383,8 @@ def _config(args: argparse.Namespace) -> dict:
                   compile_scope=getattr(args, "compile_scope", "auto"),
                   compile_mode=getattr(args, "compile_mode", "default"),
                   compile_backend=getattr(args, "compile_backend", "inductor"),
-                  torchao_filter=getattr(args, "torchao_filter", None))
+                  torchao_filter=getattr(args, "torchao_filter", None),
+                  fp8_layers=getattr(args, "fp8_layers", "all"))
     if args.gpu:
         shape = GPU_SIZES[size or "1b"]
         return dict(shape, size=size or "1b", steps=args.steps or 12, warmup=4, lr=3e-4, seed=0, gpu=True,
@@ -458,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torchao-filter", choices=("auto", "all"), default=None,
                     help="torchao-float8's Linears in float8: auto (torchao's tensorwise filter; "
                          "default on GPU) or all but lm_head (default on CPU)")
+    ap.add_argument("--fp8-layers", choices=("auto", "all"), default="all",
+                    help="fp8shard FP8 systems: which layers compute in FP8 (the training command's "
+                         "model.fp8_layers; auto keeps narrow layers in bf16 on a GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.size and not args.gpu:

@@ -29,6 +29,18 @@ def test_losses_match_flat_engine_on_gpu(dist_pools):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_tiled_weights_match_flat_engine_on_gpu(dist_pools, recipe):
+    """The GPU twin of test_tiled.py's parity: rowwise and blockwise FP8 weights on FSDP2 (their
+    scale rows gathered with the bytes, tiles cast locally) train as on the flat engine."""
+    pool = dist_pools(_ranks())
+    flat = pool.run(cases.run_losses, "flat", 10, recipe=recipe)[0]
+    fsdp2 = pool.run(cases.run_losses, "fsdp2", 10, recipe=recipe)[0]
+    assert fsdp2[-1] < fsdp2[0] - 1.0
+    assert fsdp2 == pytest.approx(flat, rel=1e-2)
+
+
+@pytest.mark.gpu
 def test_all_gather_moves_fp8_bytes_on_nccl(dist_pools):
     # At world size 1 FSDP2 (torch 2.11) gathers nothing: the wire needs two GPUs.
     if _ranks() < 2:

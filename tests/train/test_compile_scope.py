@@ -119,14 +119,20 @@ def test_unknown_scope_is_refused():
 
 
 def _train_fp8(scope: str | None, steps: int = 2, device: str = "cpu",
-               backend: str = "inductor", mode: str = "default") -> tuple[list[float], int]:
-    """FP8 weights and GEMMs (delayed scaling) + DistributedFusedAdam, as the training command."""
+               backend: str = "inductor", mode: str = "default",
+               bf16_layers: str | None = None) -> tuple[list[float], int]:
+    """FP8 weights and GEMMs (delayed scaling) + DistributedFusedAdam, as the training command;
+    the layers named ``*.{bf16_layers}`` compute in bf16 ([Note: FP8 layer filter])."""
     import fp8shard as fs
 
     torch.manual_seed(0)
     with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
         model = GPT(CFG).to(device)
     model.to(torch.bfloat16)
+    if bf16_layers:
+        for name, layer in model.named_modules():
+            if name.endswith("." + bf16_layers):
+                layer.fp8_compute = False
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.01)
     recipe = fs.DelayedScaling()
     if scope:
@@ -153,6 +159,23 @@ def test_fp8_weights_whole_model_compiled_train_like_eager():
     got, calls = _train_fp8("model", backend="aot_eager")
     assert got == pytest.approx(eager, rel=1e-3)  # tests/train/test_compile_train.py's tolerance
     assert calls == eager_calls > 0
+
+
+def test_fp8_and_bf16_layers_in_one_graph_train_like_eager():
+    """Some layers filtered to bf16 compute ([Note: FP8 layer filter]): one graph (aot_eager)
+    trains as eager, and differently from all-FP8 (the filter took effect)."""
+    eager, _ = _train_fp8(None, steps=3, bf16_layers="fc2")
+    got, _ = _train_fp8("graph", steps=3, backend="aot_eager", bf16_layers="fc2")
+    assert got == pytest.approx(eager, rel=1e-3)
+    assert eager != _train_fp8(None, steps=3)[0]
+
+
+@pytest.mark.gpu
+def test_cuda_inductor_fp8_and_bf16_layers_train_like_eager():
+    """The GPU twin: Inductor's one graph with FP8 and filtered bf16 layers, to a relative 1e-2."""
+    eager, _ = _train_fp8(None, steps=3, device="cuda", bf16_layers="fc2")
+    got, _ = _train_fp8("graph", steps=3, device="cuda", bf16_layers="fc2")
+    assert got == pytest.approx(eager, rel=1e-2)
 
 
 @pytest.mark.gpu

@@ -180,6 +180,9 @@ class Linear(torch.nn.Linear):
     # This layer's recipe, overriding the autocast's (None: the autocast's); a recipe object or
     # name, e.g. ``layer.fp8_recipe = fs.RowwiseScaling()`` ([Note: quantizer]).
     fp8_recipe: object = None
+    # False: this layer computes in high precision even under fp8_autocast, its weight still
+    # stored in FP8 if it is ([Note: FP8 layer filter], nn/gemm_filter.py).
+    fp8_compute: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -226,7 +229,7 @@ class Linear(torch.nn.Linear):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = current_fp8_state()
-        if state is None:
+        if state is None or not self.fp8_compute:
             weight = self.weight
             if isinstance(weight, Float8Tensor):
                 weight = _DequantizeWithGrad.apply(weight)
@@ -367,7 +370,7 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: object) -> int:
     """
     if not isinstance(recipe, DelayedScaling):
         return 0
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.fp8_compute]
     for layer in layers:
         layer.init_delayed_scaling(recipe)
     return len(layers)

@@ -17,6 +17,7 @@ from torch import nn
 import fp8shard as fs
 from fp8shard.fp8 import Float8Tensor, gemm
 from fp8shard.models import GPT, GPTConfig
+from fp8shard.nn.gemm_filter import select_fp8_layers
 from fp8shard.train.config import Config
 from fp8shard.train.distributed import DistEnv, all_reduce_max
 
@@ -156,6 +157,8 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
     if not cfg.model.fp8_params:
         for p in hp.parameters():
             p.data = p.data.to(dtype)
+        if cfg.model.fp8:
+            select_fp8_layers(hp, cfg.model.fp8_layers, device)  # [Note: FP8 layer filter]
         return hp
     recipe = cfg.model.fp8_recipe if cfg.model.fp8_recipe in ("rowwise", "blockwise") else None
     with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True, recipe=recipe), \
@@ -171,6 +174,8 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
                 p.set_high_precision_init_val(src)
             else:
                 p.copy_(src)
+    if cfg.model.fp8:
+        select_fp8_layers(model, cfg.model.fp8_layers, device)  # [Note: FP8 layer filter]
     return model
 
 

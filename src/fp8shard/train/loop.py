@@ -148,6 +148,9 @@ class Trainer:
         check_memory(cfg, env.world_size, vocab_size=self.data.vocab_size)  # the vocabulary is known now
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        linears = [mod for mod in self.model.modules() if isinstance(mod, fs.nn.Linear)]
+        # [Note: FP8 layer filter]: (layers computing in FP8, all fs.nn.Linear layers)
+        self.fp8_layers = (sum(mod.fp8_compute for mod in linears) if m.fp8 else 0, len(linears))
         self.opt, self.forward_module = build_optimizer(cfg, self.model, env)
         self.recipe = build_recipe(cfg)
         # [Note: amax reduction]: one packed MAX all-reduce of the delayed-scaling amaxes after
@@ -433,7 +436,9 @@ class Trainer:
         t = cfg.trainer
         rec.say(f"fp8shard.train: {self.num_params:,} params, {env.world_size} rank(s) on {env.device.type}, "
                 f"data {self.data.description}, run dir {self.run_dir}"
-                + (f"; {describe_compute(self.compute)}" if self.compute else ""))
+                + (f"; {describe_compute(self.compute)}" if self.compute else "")
+                + (f"; FP8 compute in {self.fp8_layers[0]} of {self.fp8_layers[1]} linear layers "
+                   f"(model.fp8_layers={cfg.model.fp8_layers})" if cfg.model.fp8 else ""))
         window_start, first_step = time.perf_counter(), self.step
         timed_tokens, timed_s = 0, 0.0
         last_loss, val_loss = float("nan"), float("nan")
@@ -588,7 +593,8 @@ class Trainer:
             "precision": cfg.trainer.precision,
             "params_dtype": str(params_dtype(cfg)).removeprefix("torch."),
             "fp8": {"fp8": m.fp8, "fp8_params": m.fp8_params, "fp8_hybrid": m.fp8_hybrid,
-                    "fp8_recipe": m.fp8_recipe, "fp8_margin": m.fp8_margin,
+                    "fp8_recipe": m.fp8_recipe, "fp8_layers": m.fp8_layers,
+                    "fp8_compute_layers": list(self.fp8_layers), "fp8_margin": m.fp8_margin,
                     "fp8_amax_history_len": m.fp8_amax_history_len,
                     "fp8_amax_compute_algo": m.fp8_amax_compute_algo},
             "compute": self.compute,

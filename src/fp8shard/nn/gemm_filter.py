@@ -1,0 +1,59 @@
+"""Which layers compute in FP8: ``fp8_gemm_pays`` (the shape rule) and ``select_fp8_layers``.
+
+[Note: FP8 layer filter]
+    An FP8 GEMM is faster than a bf16 one, but FP8 compute also costs passes that bf16 does not
+    make: the amax and the cast of the input and of the output gradient, with their transposed
+    copies, and the transposed weight bytes. They grow with tokens x (in + out) where the GEMM
+    saves time in proportion to tokens x in x out, so below some layer width the layer is slower
+    in FP8 than in bf16 (`benchmarks/bench_linear.py --shapes` measures it per shape on a GPU;
+    torchao's and torchtitan's ``auto_filter_small_kn`` skip such layers for the same reason).
+
+    A ``fs.nn.Linear`` with ``fp8_compute = False`` computes in the autocast's precision from
+    its weight. An FP8-stored weight stays stored, sharded, gathered and written by the
+    optimizer as FP8 bytes with its scale; the layer dequantizes it on the fly (one read of
+    1 B and one write of 2 B per weight per forward, fused into the GEMM's input under
+    torch.compile). Such a layer has no delayed-scaling state and ``AmaxSync`` skips it.
+
+    ``model.fp8_layers=auto`` applies ``fp8_gemm_pays`` to the
+    block projections on a CUDA device; on the CPU every layer computes in FP8 (there the FP8
+    GEMMs are emulated or run by oneDNN: CPU runs are for the numerics, not for speed).
+    ``all`` computes every layer in FP8, wherever it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8shard.nn.linear import Linear
+
+FP8_LAYER_POLICIES = ("auto", "all")
+
+# The layer width under which FP8 compute does not pay on an H100/H200 at the training
+# command's batch sizes (thousands of tokens a step). See [Note: FP8 layer filter].
+MIN_FP8_IN_FEATURES = 1024
+MIN_FP8_OUT_FEATURES = 1024
+
+
+def fp8_gemm_pays(in_features: int, out_features: int) -> bool:
+    """Whether a linear layer of this shape trains faster in FP8 than in bf16 on an H100/H200
+    (both widths above the measured threshold; [Note: FP8 layer filter])."""
+    return in_features > MIN_FP8_IN_FEATURES and out_features > MIN_FP8_OUT_FEATURES
+
+
+def select_fp8_layers(model: torch.nn.Module, policy: str = "auto",
+                      device: torch.device | str | None = None) -> tuple[int, int]:
+    """Set ``fp8_compute`` on every ``fs.nn.Linear`` of ``model`` by ``policy``: ``all`` (every
+    layer computes in FP8) or ``auto`` (on CUDA, the layers ``fp8_gemm_pays`` keeps; elsewhere
+    all). ``device`` defaults to the model's first parameter's. Returns (layers computing in
+    FP8, all ``fs.nn.Linear`` layers)."""
+    if policy not in FP8_LAYER_POLICIES:
+        raise ValueError(f"unknown FP8 layer policy {policy!r}; choose one of "
+                         f"{', '.join(FP8_LAYER_POLICIES)} (model.fp8_layers)")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    filtered = policy == "auto" and torch.device(device).type == "cuda"
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.fp8_compute = not filtered or fp8_gemm_pays(layer.in_features, layer.out_features)
+    return sum(layer.fp8_compute for layer in layers), len(layers)

@@ -1,0 +1,97 @@
+"""Which layers compute in FP8 ([Note: FP8 layer filter], nn/gemm_filter.py): the shape rule,
+``select_fp8_layers`` by policy and device, a filtered layer computing in high precision from its
+FP8-stored weight, and the training command's ``model.fp8_layers``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8shard as fs
+from fp8shard.models import GPT, GPTConfig
+from fp8shard.nn import Linear, fp8_gemm_pays, select_fp8_layers
+from fp8shard.nn.gemm_filter import MIN_FP8_IN_FEATURES, MIN_FP8_OUT_FEATURES
+
+
+def _gpt(hidden: int, ffn: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=64, num_layers=2, hidden_size=hidden, ffn_hidden_size=ffn,
+                             num_attention_heads=4, max_position_embeddings=16))
+
+
+def test_the_rule_keeps_wide_layers_and_drops_narrow_ones():
+    assert fp8_gemm_pays(2048, 8192) and fp8_gemm_pays(8192, 2048) and fp8_gemm_pays(4096, 14336)
+    assert not fp8_gemm_pays(768, 3072) and not fp8_gemm_pays(3072, 768)  # GPT-2 small's FFN
+    assert not fp8_gemm_pays(MIN_FP8_IN_FEATURES, 8192)
+    assert not fp8_gemm_pays(8192, MIN_FP8_OUT_FEATURES)
+
+
+@pytest.mark.parametrize(("hidden", "ffn", "on_cuda"), [(768, 3072, 0), (2048, 8192, 8), (1536, 768, 4)])
+def test_auto_filters_on_cuda_only_and_all_keeps_every_layer(hidden, ffn, on_cuda):
+    """Per block: qkv [h -> 3h], proj [h -> h], fc1 [h -> ffn], fc2 [ffn -> h]; 2 blocks."""
+    model = _gpt(hidden, ffn)
+    assert select_fp8_layers(model, "auto", "cuda") == (on_cuda, 8)
+    kept = {(m.in_features, m.out_features) for m in model.modules()
+            if isinstance(m, Linear) and m.fp8_compute}
+    assert all(fp8_gemm_pays(i, o) for i, o in kept)
+    assert select_fp8_layers(model, "auto", "cpu") == (8, 8)  # CPU runs are for the numerics
+    assert select_fp8_layers(model, "all", "cuda") == (8, 8)
+    assert all(m.fp8_compute for m in model.modules() if isinstance(m, Linear))
+
+
+def test_an_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match=r"auto, all \(model\.fp8_layers\)"):
+        select_fp8_layers(_gpt(64, 128), "some")
+
+
+@pytest.mark.parametrize("recipe", [fs.CurrentScaling(), fs.DelayedScaling(), fs.RowwiseScaling()])
+@pytest.mark.parametrize("fp8_params", [False, True])
+def test_a_filtered_layer_computes_in_high_precision_from_its_weight(recipe, fp8_params):
+    torch.manual_seed(0)
+    with fs.fp8_model_init(enabled=fp8_params, recipe=recipe if fp8_params else None):
+        layer = Linear(64, 48)
+    weight = layer.weight.dequantize() if fp8_params else layer.weight.detach()
+    x = torch.randn(16, 64, requires_grad=True)
+    dy = torch.randn(16, 48)
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = weight.clone().requires_grad_()
+    ref = torch.nn.functional.linear(ref_x, ref_w, layer.bias.detach())
+    ref.backward(dy)
+
+    with fs.fp8_autocast(recipe=recipe):
+        fp8 = layer(x)
+    assert not torch.equal(fp8, ref)  # FP8 compute differs from the exact product...
+    layer.fp8_compute = False
+    with fs.fp8_autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(dy)
+    assert torch.equal(y, ref)  # ...the filtered layer is the exact product
+    assert torch.equal(x.grad, ref_x.grad)
+    assert torch.equal(layer.weight.grad, ref_w.grad)
+    assert isinstance(layer.weight, fs.Float8Tensor) == fp8_params  # storage unchanged
+
+
+def test_filtered_layers_get_no_delayed_state_and_amax_sync_skips_them():
+    model = torch.nn.Sequential(Linear(32, 32), Linear(32, 32))
+    model[0].fp8_compute = False
+    recipe = fs.DelayedScaling()
+    assert fs.nn.prepare_delayed_scaling(model, recipe) == 1
+    assert not hasattr(model[0], "fp8_amax_history") and hasattr(model[1], "fp8_amax_history")
+    sync = fs.nn.AmaxSync(model)
+    with fs.fp8_autocast(recipe=recipe):
+        model(torch.randn(8, 32)).sum().backward()
+    assert sync.layers() == [model[1]] and sync.step() == 1
+
+
+def test_training_command_reports_its_fp8_layers(tmp_path):
+    from fp8shard.train.config import load_config
+    from fp8shard.train.distributed import DistEnv
+    from fp8shard.train.loop import Trainer
+    from tests.reliability.common import run_args
+
+    cfg = load_config(run_args(tmp_path / "run", "trainer.max_steps=1", "model.fp8_layers=auto"), world_size=1)
+    trainer = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None))
+    layers = sum(isinstance(m, Linear) for m in trainer.model.modules())
+    summary = trainer.fit()
+    assert summary["fp8"]["fp8_layers"] == "auto"
+    assert summary["fp8"]["fp8_compute_layers"] == [layers, layers]  # auto on the CPU: every layer
