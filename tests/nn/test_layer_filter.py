@@ -89,7 +89,8 @@ def test_training_command_reports_its_fp8_layers(tmp_path):
     from fp8shard.train.loop import Trainer
     from tests.reliability.common import run_args
 
-    cfg = load_config(run_args(tmp_path / "run", "trainer.max_steps=1", "model.fp8_layers=auto"), world_size=1)
+    args = run_args(tmp_path / "run", "trainer.max_steps=1", "model.fp8_layers=auto")
+    cfg = load_config(args, world_size=1)
     trainer = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None))
     layers = sum(isinstance(m, Linear) for m in trainer.model.modules())
     summary = trainer.fit()
