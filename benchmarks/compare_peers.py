@@ -186,6 +186,15 @@ def after_backward(ctx: Any) -> None:
         hook()
 
 
+LAYERS_SEP = "@"  # "<fp8shard FP8 system>@all|auto": one row per FP8 layer policy, side by side
+
+
+def _split_layers(system: str) -> tuple[str, str | None]:
+    """("fp8shard-fp8+compile", "auto") from "fp8shard-fp8+compile@auto"; (system, None) without."""
+    name, sep, policy = system.partition(LAYERS_SEP)
+    return (name, policy) if sep else (system, None)
+
+
 def _select_fp8_layers(model: torch.nn.Module, cfg: dict, device: torch.device) -> str:
     """The training command's model.fp8_layers on an fp8shard model ([Note: FP8 layer filter])."""
     import fp8shard as fs
@@ -204,6 +213,9 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     gcfg = GPTConfig(**cfg["model"])
     lr, note = cfg["lr"], ""
     torch.manual_seed(cfg["seed"])
+    system, policy = _split_layers(system)
+    if policy:  # "fp8shard-fp8+compile@auto": this row's model.fp8_layers
+        cfg = {**cfg, "fp8_layers": policy}
     compiled = system.endswith(COMPILED)
     system = system.removesuffix(COMPILED)
     scope = cfg.get("compile_scope", "auto")
@@ -479,7 +491,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--size picks a GPU model: add --gpu (the CPU sizes are the default and --quick)")
     cfg = _config(args)
     systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
+    for full in systems:
+        s, policy = _split_layers(full)
+        if policy is not None and (policy not in ("auto", "all") or (not s.startswith("fp8shard-fp8")
+                                   and not s.startswith("fp8shard-fsdp2"))):
+            ap.error(f"system {full!r}: NAME{LAYERS_SEP}all|auto takes an fp8shard FP8 system "
+                     f"(fp8shard-fp8, fp8shard-fsdp2) and the policy auto or all")
         if s.removesuffix(COMPILED) not in SYSTEMS or (s.endswith(COMPILED) and s.removesuffix(COMPILED)
                                                         not in COMPILABLE):
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} "

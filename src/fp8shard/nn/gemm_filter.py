@@ -28,16 +28,22 @@ from fp8shard.nn.linear import Linear
 
 FP8_LAYER_POLICIES = ("auto", "all")
 
-# The layer width under which FP8 compute does not pay on an H100/H200 at the training
-# command's batch sizes (thousands of tokens a step). See [Note: FP8 layer filter].
-MIN_FP8_IN_FEATURES = 1024
-MIN_FP8_OUT_FEATURES = 1024
+# Where FP8 compute pays on an H100/H200 at the training command's batch sizes (16k tokens a
+# step): measured per layer shape, compiled, forward + backward, FP8 weights and current scaling
+# against bf16 nn.Linear (`bench_linear.py --shapes`, H100, 2026-12-07, docs/performance.md):
+# 2048x6144 1.11x, 2048x8192 1.08x, 8192x2048 1.19x; 2048x2048 0.66x, 1536x1536 0.48x, GPT-2
+# small's four projections 0.50-0.61x. So a layer needs both widths >= 1024 and at least 2^23
+# weights (between 2048x2048's 4.2M, slower, and 2048x6144's 12.6M, faster).
+MIN_FP8_FEATURES = 1024
+MIN_FP8_WEIGHT_ELEMENTS = 2 ** 23
 
 
 def fp8_gemm_pays(in_features: int, out_features: int) -> bool:
     """Whether a linear layer of this shape trains faster in FP8 than in bf16 on an H100/H200
-    (both widths above the measured threshold; [Note: FP8 layer filter])."""
-    return in_features > MIN_FP8_IN_FEATURES and out_features > MIN_FP8_OUT_FEATURES
+    (both widths at least ``MIN_FP8_FEATURES`` and at least ``MIN_FP8_WEIGHT_ELEMENTS`` weights;
+    [Note: FP8 layer filter])."""
+    return (min(in_features, out_features) >= MIN_FP8_FEATURES
+            and in_features * out_features >= MIN_FP8_WEIGHT_ELEMENTS)
 
 
 def select_fp8_layers(model: torch.nn.Module, policy: str = "auto",
