@@ -28,6 +28,18 @@ def test_losses_match_flat_engine_2_ranks(dist_pools, recipe):
     assert fsdp2 == flat
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_losses_match_flat_engine_1_rank(dist_pools, recipe):
+    """At a shard world size of 1 FSDP2 gathers nothing and copies only the first all-gather
+    input: the bytes and the grid travel packed as one ([Note: FSDP2 tiled weights]). Found on
+    the GPU (one H100, where they failed to unpack); the same losses as the flat engine."""
+    pool = dist_pools(1)
+    flat = pool.run(cases.run_losses, "flat", 12, recipe=recipe)[0]
+    fsdp2 = pool.run(cases.run_losses, "fsdp2", 12, recipe=recipe)[0]
+    assert fsdp2[-1] < fsdp2[0] - 1.0
+    assert fsdp2 == flat
+
+
 def test_hsdp_2x2_rowwise_matches_flat_engine(dist_pools):
     """HSDP (2 replicas x 2 shards): each shard's rows and grid rows gather over the shard
     dimension only; with fp32 gradients the losses are the flat engine's on 4 ranks to fp32

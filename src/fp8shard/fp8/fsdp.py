@@ -42,6 +42,12 @@
     have the padded shard's shape, which the grid rows cannot have), and for blockwise each
     rank's rows must be whole 128-row bands (a band cut between ranks would need one scale from
     two ranks' rows).
+    At a shard world size of 1 (one GPU, or HSDP with one rank per shard group) FSDP2 (torch
+    2.11, 2.13) gathers nothing: it copies the *first* all-gather input alone into the unsharded
+    buffer and hands ``post_all_gather`` that one output (seen on an H100, 2026-12-07). There
+    the bytes and the grid travel as one ``uint8`` input instead: the bytes, zero padding to a
+    multiple of 4 bytes, then the grid's fp32 bytes; ``post_all_gather`` views both out of it,
+    no copy, and later copies land in the same storage as before.
 """
 
 from __future__ import annotations
@@ -109,7 +115,10 @@ def pre_all_gather(t: Float8Tensor, mesh: Any, outer_size: torch.Size | None = N
         rows = outer_size[0] if outer_size is not None and len(outer_size) else mesh.size() * data.shape[0]
         check_tiled_sharding((rows, *t.tile_shape[1:]), t._block, mesh.size())
         grid = t._scale_inv.view(-1, t._scale_inv.shape[-1])
-        return (data.view(torch.uint8), grid), (None, t._fp8_format, t._block, int(rows))
+        if mesh.size() == 1:  # FSDP2 copies the first input alone ([Note: FSDP2 tiled weights])
+            packed, layout = _pack_bytes_and_grid(data.view(torch.uint8), grid)
+            return (packed,), (None, t._fp8_format, t._block, int(rows), layout)
+        return (data.view(torch.uint8), grid), (None, t._fp8_format, t._block, int(rows), None)
     rows = _padded_rows(t, mesh, outer_size)
     padded_shape = (rows, *data.shape[1:])
     if tuple(data.shape) != padded_shape:
@@ -160,8 +169,11 @@ def _post_all_gather_tiled(outputs: tuple[torch.Tensor, ...], metadata: tuple[An
     ``out`` told its bytes and grid changed (they are already in its storage)."""
     from fp8shard.fp8.tensor import Float8Tensor
 
-    gathered, grid = outputs  # [ranks x padded rows, cols] uint8, [ranks x grid rows, grid cols] fp32
-    _, fmt, block, rows = metadata
+    _, fmt, block, rows, layout = metadata
+    if layout is not None:  # one rank: bytes and grid packed in one uint8 input
+        gathered, grid = _unpack_bytes_and_grid(outputs[0], layout)
+    else:  # [ranks x padded rows, cols] uint8, [ranks x grid rows, grid cols] fp32
+        gathered, grid = outputs
     if out is not None:
         out.mark_bytes_changed()  # drops the cached transpose of the previous bytes
         return None
@@ -169,4 +181,26 @@ def _post_all_gather_tiled(outputs: tuple[torch.Tensor, ...], metadata: tuple[An
     data = gathered.view(fmt.torch_dtype)[:rows]  # a view: no copy
     scale_inv = grid[:-(-rows // block[0])]
     dtype = param_dtype if param_dtype is not None and param_dtype.is_floating_point else own_dtype
-    return Float8Tensor(data, scale_inv, fmt, dtype, block=block), (gathered, grid)
+    inner = (outputs[0],) if layout is not None else (gathered, grid)
+    return Float8Tensor(data, scale_inv, fmt, dtype, block=block), inner
+
+
+def _pack_bytes_and_grid(data: torch.Tensor, grid: torch.Tensor
+                         ) -> tuple[torch.Tensor, tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """One 1-D uint8 tensor: ``data``'s bytes, zeros up to a multiple of 4, ``grid``'s fp32 bytes;
+    and the layout ``_unpack_bytes_and_grid`` needs (shapes, the grid's byte offset)."""
+    offset = -(-data.numel() // 4) * 4
+    packed = torch.zeros(offset + grid.numel() * 4, dtype=torch.uint8, device=data.device)
+    packed[:data.numel()].copy_(data.reshape(-1))
+    packed[offset:].view(torch.float32).copy_(grid.reshape(-1))
+    return packed, (tuple(data.shape), tuple(grid.shape), offset)
+
+
+def _unpack_bytes_and_grid(packed: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...], int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the bytes (uint8) and the grid (fp32) inside ``packed`` (no copy)."""
+    data_shape, grid_shape, offset = layout
+    flat = packed.reshape(-1)
+    data = flat[:math.prod(data_shape)].view(data_shape)
+    grid = flat[offset:offset + 4 * math.prod(grid_shape)].view(torch.float32).view(grid_shape)
+    return data, grid
