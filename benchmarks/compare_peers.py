@@ -199,7 +199,7 @@ def _select_fp8_layers(model: torch.nn.Module, cfg: dict, device: torch.device) 
     """The training command's model.fp8_layers on an fp8shard model ([Note: FP8 layer filter])."""
     import fp8shard as fs
 
-    policy = cfg.get("fp8_layers", "all")
+    policy = cfg.get("fp8_layers", "auto")
     n, total = fs.nn.select_fp8_layers(model, policy, device)
     return f"FP8 compute in {n}/{total} layers (fp8_layers={policy})"
 
@@ -396,7 +396,7 @@ def _config(args: argparse.Namespace) -> dict:
                   compile_mode=getattr(args, "compile_mode", "default"),
                   compile_backend=getattr(args, "compile_backend", "inductor"),
                   torchao_filter=getattr(args, "torchao_filter", None),
-                  fp8_layers=getattr(args, "fp8_layers", "all"))
+                  fp8_layers=getattr(args, "fp8_layers", "auto"))
     if args.gpu:
         shape = GPU_SIZES[size or "1b"]
         return dict(shape, size=size or "1b", steps=args.steps or 12, warmup=4, lr=3e-4, seed=0, gpu=True,
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torchao-filter", choices=("auto", "all"), default=None,
                     help="torchao-float8's Linears in float8: auto (torchao's tensorwise filter; "
                          "default on GPU) or all but lm_head (default on CPU)")
-    ap.add_argument("--fp8-layers", choices=("auto", "all"), default="all",
+    ap.add_argument("--fp8-layers", choices=("auto", "all"), default="auto",
                     help="fp8shard FP8 systems: which layers compute in FP8 (the training command's "
                          "model.fp8_layers; auto keeps narrow layers in bf16 on a GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")

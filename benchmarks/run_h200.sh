@@ -79,7 +79,7 @@ if want reference; then
     run timeout -k 20 "$left" "$@"
   }
   budgeted 320 $py benchmarks/compare_peers.py --gpu --size 125m \
-    --systems reference-bf16,fp8shard-fp8+compile,fp8shard-bf16+compile,torchao-float8 \
+    --systems reference-bf16,fp8shard-fp8+compile,fp8shard-fp8+compile@all,fp8shard-bf16+compile,torchao-float8 \
     --out "$OUT/compare_reference_125m.json" > "$OUT/compare_reference_125m.log" 2>&1
   tail -9 "$OUT/compare_reference_125m.log"
   # The launch-bound 125M step: current scaling and CUDA graphs (trainer.compile_mode=reduce-overhead).
@@ -88,7 +88,7 @@ if want reference; then
     --out "$OUT/compare_reference_125m_graphs.json" > "$OUT/compare_reference_125m_graphs.log" 2>&1
   tail -7 "$OUT/compare_reference_125m_graphs.log"
   budgeted 20 $py benchmarks/compare_peers.py --gpu --size 1b \
-    --systems reference-bf16,fp8shard-fp8+compile,torchao-float8,fp8shard-bf16+compile \
+    --systems reference-bf16,fp8shard-fp8+compile,fp8shard-fp8+compile@all,torchao-float8,fp8shard-bf16+compile \
     --out "$OUT/compare_reference_1b.json" > "$OUT/compare_reference_1b.log" 2>&1
   tail -7 "$OUT/compare_reference_1b.log"
   budgeted 0 $py benchmarks/bench_loss.py --gpu --tokens 16384 --hidden 768 --vocab 50304 \

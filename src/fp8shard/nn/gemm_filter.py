@@ -14,7 +14,7 @@
     1 B and one write of 2 B per weight per forward, fused into the GEMM's input under
     torch.compile). Such a layer has no delayed-scaling state and ``AmaxSync`` skips it.
 
-    ``model.fp8_layers=auto`` applies ``fp8_gemm_pays`` to the
+    ``model.fp8_layers=auto`` (the training command's default) applies ``fp8_gemm_pays`` to the
     block projections on a CUDA device; on the CPU every layer computes in FP8 (there the FP8
     GEMMs are emulated or run by oneDNN: CPU runs are for the numerics, not for speed).
     ``all`` computes every layer in FP8, wherever it runs.

@@ -193,11 +193,11 @@ class ModelConfig(TransformerShape, BatchShape):
     model.fp8_params=true rowwise and blockwise store their weights with one scale per row or per
     128x128 block (with trainer.strategy=fsdp2: rows cut into whole tiles over the shard ranks,
     docs/engines.md). docs/fp8.md, 'Scaling recipes'."""
-    fp8_layers: Literal["auto", "all"] = "all"
-    """Which block projections compute in FP8 under model.fp8: all, or auto (on a GPU only those
-    wide enough for FP8 to be faster than bf16, fs.nn.fp8_gemm_pays; the others compute in bf16
-    from their weights, which stay FP8 with model.fp8_params; on the CPU all of them).
-    docs/nn.md, 'Which layers compute in FP8'."""
+    fp8_layers: Literal["auto", "all"] = "auto"
+    """Which block projections compute in FP8 under model.fp8: auto (on a GPU only those large
+    enough for FP8 to be faster than bf16, fs.nn.fp8_gemm_pays: none of GPT-2 small's, three of
+    four at 1.3B; the others compute in bf16 from their weights, which stay FP8 with
+    model.fp8_params; on the CPU all of them) or all. docs/nn.md, 'Which layers compute in FP8'."""
     fp8_gemm: Literal["auto", "scaled_mm", "emulated"] = "auto"
     """How FP8 GEMMs run: auto (GPU: torch._scaled_mm; CPU: the emulated path unless a one-time
     measurement shows torch._scaled_mm is not slower, since some CPUs serve it with a reference
