@@ -13,7 +13,8 @@
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   parity         the 125M loss-parity preset, three runs at a time, time-boxed (PARITY_BOX_S, default
 #                  540 s) and resumable: repeat the same call until it prints the table (PARITY_RECIPES
-#                  picks the recipes; runs/parity_125m stays on the machine while it is held)
+#                  picks the recipes, PARITY_GPUS the runs at a time, PARITY_DATA a prepared English
+#                  corpus; runs/parity_125m* stays on the machine while it is held)
 #   all            every part above but parity, in that order
 # Logs and JSON land in $OUT (or ./h200_out).
 set -uo pipefail
@@ -114,8 +115,12 @@ if [ "$part" = parity ]; then
   # Issue 17 on the GPU: bf16 against the FP8 recipes, 3 seeds, 1000 steps of GPT-2 small
   # (docs/numerics.md). SIGTERM stops the benchmark cleanly, keeping each run's checkpoints; the
   # next call with --reuse reads the finished runs and resumes the others.
+  # PARITY_DATA: a prepared English corpus carried along (carry=["data/english-bpe"], made by
+  # benchmarks/english_corpus.sh and `python -m fp8shard.data prepare`, docs/numerics.md);
+  # PARITY_GPUS: runs at a time (0,0,0: three on GPU 0; each peaks near 10 GB at 125M).
+  pout=runs/parity_125m${PARITY_DATA:+_$(basename "$PARITY_DATA")}
   run timeout -k 30 -s TERM "${PARITY_BOX_S:-540}" $py benchmarks/parity.py --preset h200-125m \
-    --recipes "${PARITY_RECIPES:-bf16,fp8-current,fp8-delayed,fp8-rowwise,fp8-blockwise}" --gpus 0,0,0 \
-    --out runs/parity_125m --reuse 2>&1 | tail -20
-  cp runs/parity_125m/parity.json runs/parity_125m/parity.png "$OUT/" 2>/dev/null || true
+    --recipes "${PARITY_RECIPES:-bf16,fp8-current,fp8-delayed,fp8-rowwise,fp8-blockwise}" \
+    --gpus "${PARITY_GPUS:-0,0,0}" ${PARITY_DATA:+--data "$PARITY_DATA"} --out "$pout" --reuse 2>&1 | tail -20
+  cp "$pout/parity.json" "$pout/parity.png" "$OUT/" 2>/dev/null || true
 fi
