@@ -198,10 +198,14 @@ def _split_layers(system: str) -> tuple[str, str | None]:
 def _select_fp8_layers(model: torch.nn.Module, cfg: dict, device: torch.device) -> str:
     """The training command's model.fp8_layers on an fp8shard model ([Note: FP8 layer filter])."""
     import fp8shard as fs
+    from fp8shard.nn import gemm_filter
 
     policy = cfg.get("fp8_layers", "auto")
+    if cfg.get("fp8_min_weights"):
+        gemm_filter.MIN_FP8_WEIGHT_ELEMENTS = cfg["fp8_min_weights"]
     n, total = fs.nn.select_fp8_layers(model, policy, device)
-    return f"FP8 compute in {n}/{total} layers (fp8_layers={policy})"
+    return (f"FP8 compute in {n}/{total} layers (fp8_layers={policy}, threshold "
+            f"{gemm_filter.MIN_FP8_WEIGHT_ELEMENTS} weights)")
 
 
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:
@@ -396,7 +400,8 @@ def _config(args: argparse.Namespace) -> dict:
                   compile_mode=getattr(args, "compile_mode", "default"),
                   compile_backend=getattr(args, "compile_backend", "inductor"),
                   torchao_filter=getattr(args, "torchao_filter", None),
-                  fp8_layers=getattr(args, "fp8_layers", "auto"))
+                  fp8_layers=getattr(args, "fp8_layers", "auto"),
+                  fp8_min_weights=getattr(args, "fp8_min_weights", None))
     if args.gpu:
         shape = GPU_SIZES[size or "1b"]
         return dict(shape, size=size or "1b", steps=args.steps or 12, warmup=4, lr=3e-4, seed=0, gpu=True,
@@ -485,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-layers", choices=("auto", "all"), default="auto",
                     help="fp8shard FP8 systems: which layers compute in FP8 (the training command's "
                          "model.fp8_layers; auto keeps narrow layers in bf16 on a GPU)")
+    ap.add_argument("--fp8-min-weights", type=int, default=None,
+                    help="the FP8 layer filter's threshold for this run (fs.nn.gemm_filter."
+                         "MIN_FP8_WEIGHT_ELEMENTS): e.g. 8388608 to see the 1.3B GPT's 2048x2048 "
+                         "layers in bf16 in the @auto row")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.size and not args.gpu:

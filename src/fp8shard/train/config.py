@@ -195,8 +195,8 @@ class ModelConfig(TransformerShape, BatchShape):
     docs/engines.md). docs/fp8.md, 'Scaling recipes'."""
     fp8_layers: Literal["auto", "all"] = "auto"
     """Which block projections compute in FP8 under model.fp8: auto (on a GPU only those large
-    enough for FP8 to be faster than bf16, fs.nn.fp8_gemm_pays: none of GPT-2 small's, three of
-    four at 1.3B; the others compute in bf16 from their weights, which stay FP8 with
+    enough for FP8 to be faster than bf16, fs.nn.fp8_gemm_pays: none of GPT-2 small's, all four
+    at 1.3B; the others compute in bf16 from their weights, which stay FP8 with
     model.fp8_params; on the CPU all of them) or all. docs/nn.md, 'Which layers compute in FP8'."""
     fp8_gemm: Literal["auto", "scaled_mm", "emulated"] = "auto"
     """How FP8 GEMMs run: auto (GPU: torch._scaled_mm; CPU: the emulated path unless a one-time
