@@ -73,6 +73,7 @@ def test_a_filtered_layer_computes_in_high_precision_from_its_weight(recipe, fp8
     assert torch.equal(x.grad, ref_x.grad)
     assert torch.equal(layer.weight.grad, ref_w.grad)
     assert isinstance(layer.weight, fs.Float8Tensor) == fp8_params  # storage unchanged
+    assert "fp8_compute=False" in repr(layer)
 
 
 def test_filtered_layers_get_no_delayed_state_and_amax_sync_skips_them():

@@ -353,7 +353,8 @@ class Linear(torch.nn.Linear):
         )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8_weight={isinstance(self.weight, Float8Tensor)}"
+        compute = "" if self.fp8_compute else ", fp8_compute=False"
+        return f"{super().extra_repr()}, fp8_weight={isinstance(self.weight, Float8Tensor)}{compute}"
 
 
 def prepare_delayed_scaling(model: torch.nn.Module, recipe: object) -> int:
