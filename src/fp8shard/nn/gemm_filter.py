@@ -62,7 +62,13 @@ def select_fp8_layers(model: torch.nn.Module, policy: str = "auto",
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     filtered = policy == "auto" and torch.device(device).type == "cuda"
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.fp8_compute = not filtered or fp8_gemm_pays(layer.in_features, layer.out_features)
+    return count_fp8_layers(model)
+
+
+def count_fp8_layers(model: torch.nn.Module) -> tuple[int, int]:
+    """(``fs.nn.Linear`` layers of ``model`` with ``fp8_compute`` set, all of them)."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
-        layer.fp8_compute = not filtered or fp8_gemm_pays(layer.in_features, layer.out_features)
     return sum(layer.fp8_compute for layer in layers), len(layers)

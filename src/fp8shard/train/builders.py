@@ -7,6 +7,7 @@ plain. [Note: FP8 init] says how FP8 weights get their initial values.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -157,9 +158,7 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
     if not cfg.model.fp8_params:
         for p in hp.parameters():
             p.data = p.data.to(dtype)
-        if cfg.model.fp8:
-            select_fp8_layers(hp, cfg.model.fp8_layers, device)  # [Note: FP8 layer filter]
-        return hp
+        return _select_layers(hp, cfg, device)
     recipe = cfg.model.fp8_recipe if cfg.model.fp8_recipe in ("rowwise", "blockwise") else None
     with fs.fp8_model_init(enabled=True, preserve_high_precision_init_val=True, recipe=recipe), \
             torch.device("meta"), _default_dtype(dtype):
@@ -174,8 +173,13 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
                 p.set_high_precision_init_val(src)
             else:
                 p.copy_(src)
+    return _select_layers(model, cfg, device)
+
+
+def _select_layers(model: GPT, cfg: Config, device: torch.device) -> GPT:
+    """``model.fp8_layers`` applied to an FP8 run's layers ([Note: FP8 layer filter])."""
     if cfg.model.fp8:
-        select_fp8_layers(model, cfg.model.fp8_layers, device)  # [Note: FP8 layer filter]
+        select_fp8_layers(model, cfg.model.fp8_layers, device)
     return model
 
 
@@ -350,5 +354,19 @@ def memory_by_category(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str
             "master": 0, "optimizer_states": states, "padding": 0}
 
 
-def count_fp8_linears(model: nn.Module) -> int:
-    return sum(1 for m in model.modules() if isinstance(m, fs.nn.Linear))
+def lr_at(cfg: Config, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
+
+    The schedule lasts ``sched.max_steps`` (0: ``trainer.max_steps``); a warmup longer than that
+    is cut to it (short test runs keep the default warmup).
+    """
+    o, s = cfg.model.optim, cfg.model.optim.sched
+    total = s.max_steps or cfg.trainer.max_steps
+    warmup = min(s.warmup_steps, total)
+    if step < warmup:
+        return o.lr * (step + 1) / warmup
+    if s.name == "constant":
+        return o.lr
+    span = max(total - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1.0 + math.cos(math.pi * progress))

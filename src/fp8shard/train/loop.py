@@ -43,6 +43,7 @@ from fp8shard.checkpoint import (
     save_checkpoint,
 )
 from fp8shard.data.prepared import save_run_tokenizer, val_bpb_factor
+from fp8shard.nn.gemm_filter import count_fp8_layers
 from fp8shard.nn.overflow import OverflowMonitor
 from fp8shard.train.budget import check_memory
 from fp8shard.train.builders import (
@@ -53,9 +54,9 @@ from fp8shard.train.builders import (
     compile_model,
     compile_scope_for,
     configure_compute,
-    count_fp8_linears,
     describe_compute,
     keep_checkpoint_gemm_path,
+    lr_at,
     memory_by_category,
     params_dtype,
 )
@@ -66,24 +67,6 @@ from fp8shard.train.faults import FaultHooks, TrainingFailure, is_peer_lost, is_
 from fp8shard.train.metrics import RunRecorder, bytes_per_param, format_summary, peak_memory, wire_bytes
 from fp8shard.train.resume import load_resume_checkpoint, newest_checkpoint_state, resume_candidates
 from fp8shard.train.rundir import delete_earlier_run, lock_run_dir, remove_partial_files
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
-
-    The schedule lasts ``sched.max_steps`` (0: ``trainer.max_steps``); a warmup longer than that
-    is cut to it (short test runs keep the default warmup).
-    """
-    o, s = cfg.model.optim, cfg.model.optim.sched
-    total = s.max_steps or cfg.trainer.max_steps
-    warmup = min(s.warmup_steps, total)
-    if step < warmup:
-        return o.lr * (step + 1) / warmup
-    if s.name == "constant":
-        return o.lr
-    span = max(total - warmup, 1)
-    progress = min((step - warmup) / span, 1.0)
-    return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 @contextlib.contextmanager
@@ -148,9 +131,8 @@ class Trainer:
         check_memory(cfg, env.world_size, vocab_size=self.data.vocab_size)  # the vocabulary is known now
         self.model = build_model(cfg, self.data.vocab_size, env.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        linears = [mod for mod in self.model.modules() if isinstance(mod, fs.nn.Linear)]
-        # [Note: FP8 layer filter]: (layers computing in FP8, all fs.nn.Linear layers)
-        self.fp8_layers = (sum(mod.fp8_compute for mod in linears) if m.fp8 else 0, len(linears))
+        computing, linears = count_fp8_layers(self.model)  # [Note: FP8 layer filter]
+        self.fp8_layers = (computing if m.fp8 else 0, linears)
         self.opt, self.forward_module = build_optimizer(cfg, self.model, env)
         self.recipe = build_recipe(cfg)
         # [Note: amax reduction]: one packed MAX all-reduce of the delayed-scaling amaxes after
@@ -395,8 +377,9 @@ class Trainer:
             grads = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.comm = {"all_reduce.grads": grads}  # DDP: see [Note: comm bytes]
         if self.cfg.model.fp8 and isinstance(self.recipe, fs.DelayedScaling) and self.env.world_size > 1:
-            # AmaxSync MAX-reduces [n_layers, 3] fp32 amaxes once per backward (micro-batch).
-            n = count_fp8_linears(self.model) * 3 * 4 * self.loader.accumulation_steps
+            # AmaxSync MAX-reduces [n_layers, 3] fp32 amaxes once per backward (micro-batch) of
+            # the layers computing in FP8 ([Note: FP8 layer filter]).
+            n = self.fp8_layers[0] * 3 * 4 * self.loader.accumulation_steps
             self.comm["all_reduce.fp8_activation_amax"] = n
 
     # ------------------------------------------------------------------ validation
