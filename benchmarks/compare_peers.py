@@ -198,14 +198,11 @@ def _split_layers(system: str) -> tuple[str, str | None]:
 def _select_fp8_layers(model: torch.nn.Module, cfg: dict, device: torch.device) -> str:
     """The training command's model.fp8_layers on an fp8shard model ([Note: FP8 layer filter])."""
     import fp8shard as fs
-    from fp8shard.nn import gemm_filter
+    from fp8shard.nn.gemm_filter import MIN_FP8_WEIGHT_ELEMENTS
 
-    policy = cfg.get("fp8_layers", "auto")
-    if cfg.get("fp8_min_weights"):
-        gemm_filter.MIN_FP8_WEIGHT_ELEMENTS = cfg["fp8_min_weights"]
-    n, total = fs.nn.select_fp8_layers(model, policy, device)
-    return (f"FP8 compute in {n}/{total} layers (fp8_layers={policy}, threshold "
-            f"{gemm_filter.MIN_FP8_WEIGHT_ELEMENTS} weights)")
+    policy, least = cfg.get("fp8_layers", "auto"), cfg.get("fp8_min_weights") or MIN_FP8_WEIGHT_ELEMENTS
+    n, total = fs.nn.select_fp8_layers(model, policy, device, min_weights=least)
+    return f"FP8 compute in {n}/{total} layers (fp8_layers={policy}, threshold {least} weights)"
 
 
 def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Module, Any, Any, str]:

@@ -27,6 +27,8 @@ def test_the_rule_keeps_large_layers_and_drops_small_ones():
     assert not fp8_gemm_pays(MIN_FP8_FEATURES - 16, 1 << 20)  # too narrow, however long
     n = MIN_FP8_WEIGHT_ELEMENTS // 2048
     assert fp8_gemm_pays(2048, n) and not fp8_gemm_pays(2048, n - 1)  # the weight count decides
+    assert not fp8_gemm_pays(2048, 2048, min_weights=2 ** 23)  # a run's own threshold
+    assert select_fp8_layers(_gpt(2048, 8192), "auto", "cuda", min_weights=2 ** 23) == (6, 8)
 
 
 @pytest.mark.parametrize(("hidden", "ffn", "on_cuda"), [(768, 3072, 0), (2048, 8192, 8), (4096, 512, 4)])

@@ -190,9 +190,8 @@ def _pack_bytes_and_grid(data: torch.Tensor, grid: torch.Tensor
     """One 1-D uint8 tensor: ``data``'s bytes, zeros up to a multiple of 4, ``grid``'s fp32 bytes;
     and the layout ``_unpack_bytes_and_grid`` needs (shapes, the grid's byte offset)."""
     offset = -(-data.numel() // 4) * 4
-    packed = torch.zeros(offset + grid.numel() * 4, dtype=torch.uint8, device=data.device)
-    packed[:data.numel()].copy_(data.reshape(-1))
-    packed[offset:].view(torch.float32).copy_(grid.reshape(-1))
+    pad = data.new_zeros(offset - data.numel())
+    packed = torch.cat([data.reshape(-1), pad, grid.reshape(-1).contiguous().view(torch.uint8)])
     return packed, (tuple(data.shape), tuple(grid.shape), offset)
 
 

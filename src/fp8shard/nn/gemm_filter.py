@@ -41,20 +41,21 @@ MIN_FP8_FEATURES = 1024
 MIN_FP8_WEIGHT_ELEMENTS = 2 ** 22
 
 
-def fp8_gemm_pays(in_features: int, out_features: int) -> bool:
+def fp8_gemm_pays(in_features: int, out_features: int, min_weights: int | None = None) -> bool:
     """Whether a linear layer of this shape trains faster in FP8 than in bf16 on an H100/H200
-    (both widths at least ``MIN_FP8_FEATURES`` and at least ``MIN_FP8_WEIGHT_ELEMENTS`` weights;
-    [Note: FP8 layer filter])."""
-    return (min(in_features, out_features) >= MIN_FP8_FEATURES
-            and in_features * out_features >= MIN_FP8_WEIGHT_ELEMENTS)
+    (both widths at least ``MIN_FP8_FEATURES`` and at least ``min_weights`` weights, by default
+    ``MIN_FP8_WEIGHT_ELEMENTS``; [Note: FP8 layer filter])."""
+    least = MIN_FP8_WEIGHT_ELEMENTS if min_weights is None else min_weights
+    return min(in_features, out_features) >= MIN_FP8_FEATURES and in_features * out_features >= least
 
 
 def select_fp8_layers(model: torch.nn.Module, policy: str = "auto",
-                      device: torch.device | str | None = None) -> tuple[int, int]:
+                      device: torch.device | str | None = None,
+                      min_weights: int | None = None) -> tuple[int, int]:
     """Set ``fp8_compute`` on every ``fs.nn.Linear`` of ``model`` by ``policy``: ``all`` (every
-    layer computes in FP8) or ``auto`` (on CUDA, the layers ``fp8_gemm_pays`` keeps; elsewhere
-    all). ``device`` defaults to the model's first parameter's. Returns (layers computing in
-    FP8, all ``fs.nn.Linear`` layers)."""
+    layer computes in FP8) or ``auto`` (on CUDA, the layers ``fp8_gemm_pays`` keeps, with its
+    ``min_weights``; elsewhere all). ``device`` defaults to the model's first parameter's.
+    Returns (layers computing in FP8, all ``fs.nn.Linear`` layers)."""
     if policy not in FP8_LAYER_POLICIES:
         raise ValueError(f"unknown FP8 layer policy {policy!r}; choose one of "
                          f"{', '.join(FP8_LAYER_POLICIES)} (model.fp8_layers)")
@@ -64,7 +65,8 @@ def select_fp8_layers(model: torch.nn.Module, policy: str = "auto",
     filtered = policy == "auto" and torch.device(device).type == "cuda"
     for layer in model.modules():
         if isinstance(layer, Linear):
-            layer.fp8_compute = not filtered or fp8_gemm_pays(layer.in_features, layer.out_features)
+            layer.fp8_compute = not filtered or fp8_gemm_pays(layer.in_features, layer.out_features,
+                                                              min_weights)
     return count_fp8_layers(model)
 
 
