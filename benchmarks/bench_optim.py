@@ -27,6 +27,9 @@ with current and with delayed weight scaling. Effective bandwidth counts the min
 step must move: DFA-FP8 27 B/param (grad 2 read, master 4+4, m 4+4, v 4+4, FP8 weight 1
 written), DFA-bf16 28, AdamW fp32 28 (param 4+4, grad 4, m 4+4, v 4+4); the copy counts bytes
 read + written. "x AdamW" is the speed per parameter relative to AdamW(fused=True) (1.0: as fast).
+With ``--profile`` each variant's last step also runs under torch.profiler and the script prints
+where its time goes: the kernels by GPU time (with launches), the GPU busy time against the
+step's wall time, and the host syncs (``cudaStreamSynchronize`` / ``.item()``) it made.
 """
 
 from __future__ import annotations
@@ -207,6 +210,30 @@ def _gpu_params(n: int, weights: str) -> list[nn.Parameter]:
     return out
 
 
+def profile_step(step: Callable[[], None], top: int = 8) -> dict[str, Any]:
+    """One ``step()`` under torch.profiler: wall time, GPU busy time, launches, host syncs and
+    the ``top`` kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels, syncs = [], 0
+    for evt in prof.key_averages():
+        if evt.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            syncs += evt.count
+        gpu_us = getattr(evt, "device_time_total", 0.0)
+        if gpu_us > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append({"name": evt.key[:70], "launches": evt.count, "gpu_ms": gpu_us / 1e3})
+    kernels.sort(key=lambda k: -k["gpu_ms"])
+    return {"wall_ms": wall * 1e3, "gpu_busy_ms": sum(k["gpu_ms"] for k in kernels),
+            "launches": sum(k["launches"] for k in kernels), "host_syncs": syncs - 1,  # less ours
+            "kernels": kernels[:top]}
+
+
 def _fake_backward(params: list[nn.Parameter]) -> None:
     """Gradients through autograd (so DistributedFusedAdam's hooks fire), cheaply."""
     # p.float() keeps a Float8Tensor (autograd sees it); .sum() then runs on the dequantized value.
@@ -246,6 +273,15 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             if it >= args.warmup:
                 times.append(t)
+        if args.profile:
+            _fake_backward(params)
+            prof = profile_step(opt.step)
+            opt.zero_grad(set_to_none=True)
+            print(f"\n{name}: one step under the profiler: {prof['wall_ms']:.2f} ms wall, "
+                  f"{prof['gpu_busy_ms']:.2f} ms of kernels in {prof['launches']} launches, "
+                  f"{prof['host_syncs']} host syncs")
+            for k in prof["kernels"]:
+                print(f"  {k['gpu_ms']:8.3f} ms {k['launches']:5d}x  {k['name']}")
         fused = getattr(opt, "_fused", None) is not None
         if fused_step and not fused:
             print(f"note: {name}: the Triton path did not run (is triton installed?)")
@@ -253,7 +289,8 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"variant": name, "params": count, "step_s": sec, "bytes_per_param": bytes_per_param,
                      "effective_TBps": bytes_per_param * count / sec / 1e12,
                      "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9,
-                     "triton": bool(fused_step) and fused, "fp8_weight_scaling": scaling})
+                     "triton": bool(fused_step) and fused, "fp8_weight_scaling": scaling,
+                     "profile": prof if args.profile else None})
         del opt, params
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -283,6 +320,8 @@ def main() -> None:
     ap.add_argument("--params-m", type=float, default=256.0, help="GPU mode: millions of parameters")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU mode: also profile one step of each variant (kernels, launches, host syncs)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     result = gpu_main(args) if args.gpu else cpu_main(args)

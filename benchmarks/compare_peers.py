@@ -53,6 +53,9 @@ Measured by this harness in the same way for every system:
                  reduces or gathers (all_reduce: the tensor; all_gather: the output;
                  reduce_scatter: the input; broadcast: the tensor)
   loss           mean training loss of the last 3 steps
+  memory phases  GPU: the last step's allocated MB at its start (what persists between steps),
+                 after the forward (+ what is saved for backward), at the forward + backward
+                 peak, after backward (+ gradients), and at the optimizer step's peak
 On CPU the world-size-1 systems (reference-bf16, torchao-float8) run in a 1-rank group on the
 whole global batch; the others in 2 ranks, each on half of it.
 """
@@ -341,11 +344,25 @@ def run_system(system: str, cfg: dict) -> dict:
             t0 = time.perf_counter()
             if cfg.get("compile_mode", "default") != "default":  # CUDA graphs: a new step
                 torch.compiler.cudagraph_mark_step_begin()
+            last = step == cfg["steps"] - 1
+            if last and cfg["gpu"]:  # the last step's memory by phase (docstring)
+                peak_before, phases = torch.cuda.max_memory_allocated(), {}
+                phases["start"] = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             loss = step_loss(model, ctx, x, y)
+            if last and cfg["gpu"]:
+                phases["after_forward"] = torch.cuda.memory_allocated()
             loss.backward()
             after_backward(ctx)
+            if last and cfg["gpu"]:
+                phases["peak_forward_backward"] = torch.cuda.max_memory_allocated()
+                phases["after_backward"] = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             opt.step()
-            if step == cfg["steps"] - 1:  # measured while gradients exist
+            if last and cfg["gpu"]:
+                phases["peak_optimizer"] = torch.cuda.max_memory_allocated()
+                peak_before = max(peak_before, phases["peak_forward_backward"], phases["peak_optimizer"])
+            if last:  # measured while gradients exist
                 mem = persistent_bytes(model, opt)
             opt.zero_grad(set_to_none=True)
             if cfg["gpu"]:
@@ -359,7 +376,7 @@ def run_system(system: str, cfg: dict) -> dict:
         total_params = sum(p.numel() for p in model.parameters())
         if system == "torchao-fsdp2":
             total_params = sum(p.shape.numel() for p in model.parameters())  # DTensor: global
-    peak = (torch.cuda.max_memory_allocated() if cfg["gpu"]
+    peak = (max(peak_before, torch.cuda.max_memory_allocated()) if cfg["gpu"]
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     loss_t = torch.tensor(statistics.mean(losses[-3:]), device=device)
     stored: dict[str, int] = {}  # parameter elements by storage dtype (float8 for FP8 weights)
@@ -371,6 +388,7 @@ def run_system(system: str, cfg: dict) -> dict:
         "step_ms": statistics.median(times) * 1e3,
         "tokens_per_s": cfg["global_batch"] * cfg["seq_len"] / statistics.median(times),
         "peak_mem_mb": peak / 2**20,
+        "mem_phases_mb": {k: v / 2**20 for k, v in phases.items()} if cfg["gpu"] else None,
         "bytes_per_param": {k: v / total_params for k, v in mem.items()},
         "bytes_per_param_total": sum(mem.values()) / total_params,
         "wire_bytes_per_step": {k: v // timed for k, v in sorted(WIRE_COUNTS.items())},
@@ -434,6 +452,14 @@ def _print_table(rows: list[dict], header: str) -> None:
               f"{r['peak_mem_mb']:>9.0f}{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}"
               f"  {detail}"
               + (f" [{r['note']}]" if r.get("note") else ""))
+    phased = [r for r in rows if r.get("available") and r.get("mem_phases_mb")]
+    if phased:
+        print(f"\n{'memory (MB), last step':<23}"
+              + "".join(f"{h:>9}" for h in ("start", "fwd end", "fwd+bwd", "bwd end", "optim")))
+        for r in phased:
+            m = r["mem_phases_mb"]
+            print(f"{r['system']:<23}" + "".join(f"{m[k]:>9.0f}" for k in (
+                "start", "after_forward", "peak_forward_backward", "after_backward", "peak_optimizer")))
 
 
 def _run_gpu(cfg: dict, systems: list[str], on_row: Any = None) -> list[dict]:
