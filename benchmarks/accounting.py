@@ -122,3 +122,49 @@ def persistent_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     out["optimizer"] = count([s for v in states for s in storages(v)])
     return out
+
+
+# ----------------------------------------------------------------------------- what is live at the peak
+def _where(frames: list[dict]) -> str:
+    """The frame that says what an allocation is for: the innermost one in fp8shard, the
+    benchmarks or Inductor's generated code (with its source line), else the innermost."""
+    import linecache
+
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in ("fp8shard", "benchmarks", "torchinductor", "nanogpt")):
+            src = linecache.getline(name, f.get("line", 0)).strip()
+            where = f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+            return where + (f" | {src[:90]}" if src else "")
+    if frames:
+        f = frames[0]
+        return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    return "(no frames)"
+
+
+def peak_live_blocks(snapshot: dict, top: int = 12) -> dict[str, Any]:
+    """Replay a ``torch.cuda.memory._snapshot()``'s allocation trace (recorded with
+    ``torch.cuda.memory._record_memory_history()``): the moment the memory allocated during the
+    recording peaked, and what was live then, grouped by where it was allocated (``_where``),
+    largest first. Blocks allocated before the recording started are not in the trace: the peak
+    is over the recording's own allocations."""
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for evt in (snapshot.get("device_traces") or [[]])[0]:
+        action, addr, size = evt.get("action"), evt.get("addr"), evt.get("size", 0)
+        if action == "alloc":
+            live[addr] = (size, _where(evt.get("frames") or []))
+            now += size
+            if now > peak:
+                peak, at_peak = now, dict(live)
+        elif action == "free_completed" and addr in live:
+            now -= live.pop(addr)[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_mb": peak / 2**20,
+            "groups": [{"mb": b / 2**20, "blocks": n, "where": w} for w, (b, n) in ranked]}

@@ -54,8 +54,10 @@ Measured by this harness in the same way for every system:
                  reduce_scatter: the input; broadcast: the tensor)
   loss           mean training loss of the last 3 steps
   memory phases  GPU: the last step's allocated MB at its start (what persists between steps),
-                 after the forward (+ what is saved for backward), at the forward + backward
-                 peak, after backward (+ gradients), and at the optimizer step's peak
+                 the forward's peak, after the forward (+ what is saved for backward), the
+                 backward's peak, after backward (+ gradients), and the optimizer step's peak;
+                 with --memory-snapshot also what was live at the step's peak, by where it was
+                 allocated (accounting.peak_live_blocks)
 On CPU the world-size-1 systems (reference-bf16, torchao-float8) run in a 1-rank group on the
 whole global batch; the others in 2 ranks, each on half of it.
 """
@@ -79,7 +81,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accounting import WIRE_COUNTS, count_wire_bytes, ddp_counting_hook, persistent_bytes  # benchmarks/
+from accounting import (  # benchmarks/
+    WIRE_COUNTS,
+    count_wire_bytes,
+    ddp_counting_hook,
+    peak_live_blocks,
+    persistent_bytes,
+)
 
 SYSTEMS = ["fp8shard-fp8", "fp8shard-bf16", "ddp-adamw", "zero-adamw", "torchao-fsdp2",
            "reference-bf16", "torchao-float8", "fp8shard-fsdp2"]
@@ -214,7 +222,7 @@ def _build(system: str, cfg: dict, device: torch.device) -> tuple[torch.nn.Modul
     from fp8shard.models import GPT, GPTConfig
     from fp8shard.optim import DistributedFusedAdam
 
-    gcfg = GPTConfig(**cfg["model"])
+    gcfg = GPTConfig(**cfg["model"], loss_chunk_tokens=cfg.get("loss_chunk_tokens"))
     lr, note = cfg["lr"], ""
     torch.manual_seed(cfg["seed"])
     system, policy = _split_layers(system)
@@ -349,19 +357,27 @@ def run_system(system: str, cfg: dict) -> dict:
                 peak_before, phases = torch.cuda.max_memory_allocated(), {}
                 phases["start"] = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
+                if cfg.get("memory_snapshot"):
+                    torch.cuda.memory._record_memory_history(max_entries=500_000)
             loss = step_loss(model, ctx, x, y)
             if last and cfg["gpu"]:
                 phases["after_forward"] = torch.cuda.memory_allocated()
+                phases["peak_forward"] = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             loss.backward()
             after_backward(ctx)
             if last and cfg["gpu"]:
-                phases["peak_forward_backward"] = torch.cuda.max_memory_allocated()
+                phases["peak_backward"] = torch.cuda.max_memory_allocated()
                 phases["after_backward"] = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             opt.step()
             if last and cfg["gpu"]:
                 phases["peak_optimizer"] = torch.cuda.max_memory_allocated()
-                peak_before = max(peak_before, phases["peak_forward_backward"], phases["peak_optimizer"])
+                peak_before = max(peak_before, phases["peak_forward"], phases["peak_backward"],
+                                  phases["peak_optimizer"])
+                if cfg.get("memory_snapshot"):
+                    live = peak_live_blocks(torch.cuda.memory._snapshot())
+                    torch.cuda.memory._record_memory_history(enabled=None)
             if last:  # measured while gradients exist
                 mem = persistent_bytes(model, opt)
             opt.zero_grad(set_to_none=True)
@@ -389,6 +405,7 @@ def run_system(system: str, cfg: dict) -> dict:
         "tokens_per_s": cfg["global_batch"] * cfg["seq_len"] / statistics.median(times),
         "peak_mem_mb": peak / 2**20,
         "mem_phases_mb": {k: v / 2**20 for k, v in phases.items()} if cfg["gpu"] else None,
+        "live_at_peak": live if cfg.get("memory_snapshot") and cfg["gpu"] else None,
         "bytes_per_param": {k: v / total_params for k, v in mem.items()},
         "bytes_per_param_total": sum(mem.values()) / total_params,
         "wire_bytes_per_step": {k: v // timed for k, v in sorted(WIRE_COUNTS.items())},
@@ -416,7 +433,9 @@ def _config(args: argparse.Namespace) -> dict:
                   compile_backend=getattr(args, "compile_backend", "inductor"),
                   torchao_filter=getattr(args, "torchao_filter", None),
                   fp8_layers=getattr(args, "fp8_layers", "auto"),
-                  fp8_min_weights=getattr(args, "fp8_min_weights", None))
+                  fp8_min_weights=getattr(args, "fp8_min_weights", None),
+                  loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
+                  memory_snapshot=getattr(args, "memory_snapshot", False))
     if args.gpu:
         shape = GPU_SIZES[size or "1b"]
         return dict(shape, size=size or "1b", steps=args.steps or 12, warmup=4, lr=3e-4, seed=0, gpu=True,
@@ -455,11 +474,18 @@ def _print_table(rows: list[dict], header: str) -> None:
     phased = [r for r in rows if r.get("available") and r.get("mem_phases_mb")]
     if phased:
         print(f"\n{'memory (MB), last step':<23}"
-              + "".join(f"{h:>9}" for h in ("start", "fwd end", "fwd+bwd", "bwd end", "optim")))
+              + "".join(f"{h:>9}" for h in ("start", "fwd peak", "fwd end", "bwd peak", "bwd end", "optim")))
         for r in phased:
             m = r["mem_phases_mb"]
             print(f"{r['system']:<23}" + "".join(f"{m[k]:>9.0f}" for k in (
-                "start", "after_forward", "peak_forward_backward", "after_backward", "peak_optimizer")))
+                "start", "peak_forward", "after_forward", "peak_backward", "after_backward",
+                "peak_optimizer")))
+    for r in rows:
+        if r.get("live_at_peak"):
+            print(f"\n{r['system']}: live at the step's peak ({r['live_at_peak']['peak_mb']:.0f} MB "
+                  "allocated during the step)")
+            for g in r["live_at_peak"]["groups"]:
+                print(f"  {g['mb']:9.1f} MB {g['blocks']:5d} blocks  {g['where']}")
 
 
 def _run_gpu(cfg: dict, systems: list[str], on_row: Any = None) -> list[dict]:
@@ -517,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the FP8 layer filter's threshold for this run (fs.nn.gemm_filter."
                          "MIN_FP8_WEIGHT_ELEMENTS): e.g. 8388608 to see the 1.3B GPT's 2048x2048 "
                          "layers in bf16 in the @auto row")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=None,
+                    help="fp8shard's GPTConfig.loss_chunk_tokens (0: the plain output layer + loss)")
+    ap.add_argument("--memory-snapshot", action="store_true",
+                    help="GPU: record the last step's allocations and print what is live at its peak")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.size and not args.gpu:
