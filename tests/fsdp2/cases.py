@@ -66,7 +66,8 @@ def make_opt(model: torch.nn.Module, engine: str, lr: float = 1e-2,
     if engine == "flat":
         return DistributedFusedAdam(groups, lr=lr, weight_decay=0.1, grad_sync_dtype=grad_dtype,
                                     fp8_weight_scaling=scaling)
-    return FSDP2Adam(groups, lr=lr, weight_decay=0.1, fp8_weight_scaling=scaling)
+    kernel = engine.partition("/")[2] or "auto"  # "fsdp2/fused", "fsdp2/reference": the step kernel
+    return FSDP2Adam(groups, lr=lr, weight_decay=0.1, fp8_weight_scaling=scaling, step_kernel=kernel)
 
 
 def shard(model: GPT, replicate: int = 1) -> GPT:
@@ -110,12 +111,30 @@ def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0, p
     rowwise or blockwise FP8 weights (None: per tensor)."""
     pin_gemm()
     torch.manual_seed(0)
+    return run_with_digest(engine, steps, replicate, clip, params_dtype, scaling, recipe)[0]
+
+
+def run_with_digest(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
+                    params_dtype: str = "bf16", scaling: str = "current",
+                    recipe: str | None = None) -> tuple[list[float], dict[str, str]]:
+    """``run_losses``' losses and the model-space digest after them (``model_space_digest``);
+    ``engine``: flat, fsdp2, or fsdp2/KERNEL (FSDP2Adam's ``step_kernel``)."""
+    pin_gemm()
+    torch.manual_seed(0)
     model = make_model(params_dtype, recipe)
-    if engine == "fsdp2":
+    if engine.startswith("fsdp2"):
         shard(model, replicate)
     opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,
                    scaling=scaling)
-    return train_steps(model, opt, range(steps), clip, recipe)
+    losses = train_steps(model, opt, range(steps), clip, recipe)
+    return losses, model_space_digest(model, opt)
+
+
+def step_kernel_name(engine: str = "fsdp2", recipe: str | None = None) -> str:
+    """The class of the step kernel FSDP2Adam picks for ``engine`` (fsdp2 or fsdp2/KERNEL)."""
+    model = make_model("bf16", recipe)
+    shard(model)
+    return type(make_opt(model, engine).engine.kernel).__name__
 
 
 def fp8_numel(model: torch.nn.Module) -> int:

@@ -59,6 +59,38 @@ def test_losses_match_with_clipping(dist_pools):
     assert fsdp2 != pool.run(cases.run_losses, "fsdp2", 8)[0]  # the clipping did act
 
 
+@pytest.mark.parametrize(("scaling", "clip"), [("current", 0.0), ("delayed", 0.0), ("current", 0.05)],
+                         ids=["current", "delayed", "clipped"])
+def test_fused_step_kernel_matches_reference_kernel(dist_pools, scaling, clip):
+    """``step_kernel='fused'`` (FSDP2FusedKernel: the fused step's tile ops on each local shard,
+    the bf16 gradient read in place, clipping as a coefficient; off CUDA its PyTorch tile ops)
+    against ``'reference'`` (fp32 gradient copies): the same losses and, after 8 steps, every
+    master, moment, FP8 byte and scale hashing alike. With clipping the norm is summed from
+    the bf16 shards instead of their fp32 copies, which may move the coefficient's last bit:
+    there, to 0.2%."""
+    pool = dist_pools(2)
+    ref, ref_digest = pool.run(cases.run_with_digest, "fsdp2/reference", 8, clip=clip, scaling=scaling)[0]
+    fused, fused_digest = pool.run(cases.run_with_digest, "fsdp2/fused", 8, clip=clip, scaling=scaling)[0]
+    assert ref[-1] < ref[0] - 1.0
+    if clip:
+        assert fused == pytest.approx(ref, rel=2e-3)
+    else:
+        assert fused == ref
+        assert fused_digest == ref_digest
+
+
+def test_step_kernel_choice(dist_pools):
+    """'auto' takes the reference kernel off CUDA (no Triton there) and for tiled weights;
+    'fused' refuses rowwise weights, naming the fix; an unknown name is refused."""
+    pool = dist_pools(2)
+    assert pool.run(cases.step_kernel_name, "fsdp2")[0] == "FSDP2Kernel"
+    assert pool.run(cases.step_kernel_name, "fsdp2/fused")[0] == "FSDP2FusedKernel"
+    with pytest.raises(Exception, match=r"per-tensor FP8 weights only.*step_kernel='reference' or 'auto'"):
+        pool.run(cases.step_kernel_name, "fsdp2/fused", "rowwise")
+    with pytest.raises(Exception, match="step_kernel must be 'auto', 'reference' or 'fused'"):
+        pool.run(cases.step_kernel_name, "fsdp2/triton")
+
+
 def test_hsdp_2x2_matches_flat_engine(dist_pools):
     """HSDP on 4 ranks (2 replicas x 2 shards): the replicas hold identical shards, bytes and
     master; with fp32 gradients the losses are the flat engine's on 4 ranks to fp32 rounding for

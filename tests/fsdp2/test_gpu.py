@@ -1,7 +1,8 @@
 """The FSDP2 engine on CUDA (NCCL, one GPU per rank): the GPU twin of test_engine.py.
 
-The flat engine runs its fused Triton step there and FSDP2Adam torch's fused AdamW kernel, which
-agree with the reference formulas to rounding, not bit for bit: the losses are compared to 1%.
+Both engines run the fused Triton step there for per-tensor weights (FSDP2Adam's
+FSDP2FusedKernel); tiled weights take FSDP2Kernel, torch's fused AdamW kernel. The two agree
+with the reference formulas to rounding, not bit for bit: the losses are compared to 1%.
 """
 
 from __future__ import annotations
@@ -40,3 +41,18 @@ def test_all_gather_moves_fp8_bytes_on_nccl(dist_pools):
     r = dist_pools(_ranks()).run(cases.wire_bytes)[0]
     assert r["keys"][0] == "all_gather.params.uint8"
     assert r["bytes_per_elem_per_step"] == pytest.approx(1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fused_step_kernel_on_gpu(dist_pools, scaling):
+    """On CUDA, 'auto' picks the fused Triton step for per-tensor weights (and the reference
+    kernel for rowwise ones); it trains as the reference kernel does (test_engine.py checks
+    the same orchestration bit for bit on gloo with the PyTorch tile ops)."""
+    pool = dist_pools(_ranks())
+    assert pool.run(cases.step_kernel_name, "fsdp2")[0] == "FSDP2FusedKernel"
+    assert pool.run(cases.step_kernel_name, "fsdp2", "rowwise")[0] == "FSDP2Kernel"
+    ref = pool.run(cases.run_losses, "fsdp2/reference", 10, scaling=scaling)[0]
+    fused = pool.run(cases.run_losses, "fsdp2/fused", 10, scaling=scaling)[0]
+    assert fused[-1] < fused[0] - 1.0
+    assert fused == pytest.approx(ref, rel=1e-2)

@@ -40,12 +40,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8shard._triton import use_triton
 from fp8shard.fp8 import DelayedScaling, Float8Tensor
 from fp8shard.fp8.fsdp import check_tiled_sharding, fitting_shard_worlds
 from fp8shard.fp8.quantizer import ScalingMode, WeightQuantizers
 from fp8shard.optim.collectives import CommCounter, Group
 from fp8shard.optim.core import ShardedAdam
-from fp8shard.optim.fused_step import ReferenceKernel, Run
+from fp8shard.optim.fused_step import (
+    DEFAULT_BLOCK,
+    OUT_AMAX,
+    OUT_AMAX_CAST,
+    OUT_PARAM,
+    ReferenceKernel,
+    Run,
+    TileTable,
+    adam_tiles_,
+    build_tile_table,
+    cast_tiles_,
+)
+from fp8shard.optim.layout import ShardPiece
+from fp8shard.optim.step_kernel import StepGrads
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -175,6 +189,104 @@ class FSDP2Kernel(ReferenceKernel):
                 local.copy_(self.masters[i].view(local.shape).to(local.dtype))
 
 
+class _LocalUnit:
+    """One parameter's local shard in the form the fused step's kernels take a region
+    (``RegionBuffers``' fields): its master and moments, this step's gradient shard and its
+    bytes (``uint8`` for FP8), all flat views."""
+
+    def __init__(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 grad: torch.Tensor | None, local: torch.Tensor) -> None:
+        self.master, self.exp_avg, self.exp_avg_sq, self.grad_buffer = master, exp_avg, exp_avg_sq, grad
+        self.is_fp8 = isinstance(local, Float8Tensor)
+        self.fmt = local.fp8_format if self.is_fp8 else None
+        # .view, never .reshape: the kernels write these, so a copy would lose the update
+        self.param_buffer = local._data.view(torch.uint8).view(-1) if self.is_fp8 else local.view(-1)
+
+
+class FSDP2FusedKernel:
+    """The fused step ([Note: fused step]) on FSDP2's local shards: kernel 1 (Adam(W), the tile
+    amaxes and, with delayed scaling, the FP8 bytes) and kernel 2 (the cast, current scaling)
+    run per parameter on its local shard, reading the bf16 gradient shard in place (no fp32
+    copy); clipping is a coefficient kernel 1 applies as it reads. Triton where it serves, else
+    the same tile ops in PyTorch (``adam_tiles_``' reference path: what the CPU tests run, bit
+    for bit the ``FSDP2Kernel``'s numbers). Per-tensor FP8 weights only (the fused step's cast;
+    rowwise and blockwise weights take ``FSDP2Kernel``)."""
+
+    def __init__(self, params: list[torch.Tensor], masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], group_of: Mapping[int, int], scaler: WeightQuantizers,
+                 device: torch.device, block: int = DEFAULT_BLOCK) -> None:
+        if scaler.tiled:
+            raise ValueError("step_kernel='fused' casts per-tensor FP8 weights only; these are rowwise or "
+                             "blockwise: use step_kernel='reference' or 'auto'")
+        self.params, self.masters, self.exp_avgs, self.exp_avg_sqs = params, masters, exp_avgs, exp_avg_sqs
+        self.fp8, self.device = scaler, device
+        self.triton = use_triton(masters[0]) if masters else False
+        self.tables: list[TileTable] = [
+            build_tile_table([ShardPiece(i, 0, 0, 0, 0, m.numel())], group_of, scaler.slot, block, device)
+            for i, m in enumerate(masters)]
+        # Every FP8 parameter's tile amaxes in one buffer, so the slot amax is one scatter.
+        fp8_tiles = [(i, t.num_tiles) for i, t in enumerate(self.tables) if i in scaler.slot]
+        self._partial = torch.zeros(sum(n for _, n in fp8_tiles), dtype=torch.float32, device=device)
+        self._partial_slot = (torch.cat([self.tables[i].slot for i, _ in fp8_tiles]) if fp8_tiles
+                              else torch.zeros(0, dtype=torch.int64, device=device))
+        self.partials: dict[int, torch.Tensor] = {}
+        start = 0
+        for i, n in fp8_tiles:
+            self.partials[i] = self._partial[start:start + n]
+            start += n
+        self._no_grad: dict[int, torch.Tensor] = {}  # zeros for a parameter that got no gradient
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        out = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                if i not in self._no_grad:
+                    self._no_grad[i] = torch.zeros_like(self.masters[i])
+                out.append(self._no_grad[i])
+            else:
+                out.append(local_shard(p.grad).reshape(-1))
+        return out
+
+    def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in shards:  # the 16-bit shards in place, upcast inside the norm kernel
+            if g.numel():
+                total += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        return total
+
+    def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
+        grads.coef = coef if grads.coef is None else grads.coef * coef
+
+    def _unit(self, i: int, grad: torch.Tensor | None = None) -> _LocalUnit:
+        # the local shard is read every step: FSDP2 may replace it (re-pad) at lazy init
+        return _LocalUnit(self.masters[i], self.exp_avgs[i], self.exp_avg_sqs[i], grad,
+                          local_shard(self.params[i]))
+
+    def update(self, grads: StepGrads, hps: list) -> None:
+        known = self.fp8.known_scales()
+        for i, table in enumerate(self.tables):
+            if not table.num_tiles:
+                continue
+            fp8 = i in self.fp8.slot
+            mode = (OUT_AMAX if known is None else OUT_AMAX_CAST) if fp8 else OUT_PARAM
+            adam_tiles_(self._unit(i, grads.shards[i]), table, hps, out_mode=mode,  # type: ignore[arg-type]
+                        grad_scale=grads.coef, scale=known, partial_amax=self.partials.get(i),
+                        triton=self.triton)
+
+    def local_amax(self) -> torch.Tensor:
+        out = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
+        return out.scatter_reduce_(0, self._partial_slot, self._partial, reduce="amax")
+
+    def cast(self, scales: torch.Tensor | None) -> None:
+        """Kernel 2 on every FP8 shard (current scaling; delayed scaling cast in kernel 1)."""
+        if self.fp8.known_scales() is not None or not self.partials:
+            return
+        assert scales is not None
+        for i in self.partials:
+            if self.tables[i].num_tiles:
+                cast_tiles_(self._unit(i), self.tables[i], scales, triton=self.triton)  # type: ignore[arg-type]
+
+
 class FSDP2WeightScales(WeightQuantizers):
     """``WeightQuantizers`` on FSDP2's local shards ([Note: FSDP2 tiled weights]).
 
@@ -226,7 +338,10 @@ class FSDP2Engine:
 
     def __init__(self, params: list[torch.Tensor], group_of: Mapping[int, int], num_groups: int, *,
                  device: torch.device, state_dtype: torch.dtype, fp8_weight_scaling: ScalingMode,
-                 delayed_scaling: DelayedScaling | None, module: nn.Module | None, count_comm: bool) -> None:
+                 delayed_scaling: DelayedScaling | None, module: nn.Module | None, count_comm: bool,
+                 step_kernel: str = "auto") -> None:
+        if step_kernel not in ("auto", "reference", "fused"):
+            raise ValueError(f"step_kernel must be 'auto', 'reference' or 'fused', got {step_kernel!r}")
         if not state_dtype.is_floating_point:
             raise ValueError(f"state_dtype must be floating point, got {state_dtype}")
         _check_sharded(params)
@@ -265,7 +380,13 @@ class FSDP2Engine:
         for i, m in enumerate(self.master):
             if m.numel():
                 runs[group_of[i]].append((i, 0, m.numel()))
-        self.kernel = FSDP2Kernel(params, self.master, self.exp_avg, self.exp_avg_sq, runs, self.fp8, device)
+        if step_kernel == "auto":  # [Note: step kernel], once: as the flat engine decides
+            fused = bool(self.master) and not self.fp8.tiled and use_triton(self.master[0])
+            step_kernel = "fused" if fused else "reference"
+        self.kernel: FSDP2Kernel | FSDP2FusedKernel = (
+            FSDP2FusedKernel(params, self.master, self.exp_avg, self.exp_avg_sq, group_of, self.fp8, device)
+            if step_kernel == "fused" else
+            FSDP2Kernel(params, self.master, self.exp_avg, self.exp_avg_sq, runs, self.fp8, device))
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
@@ -405,6 +526,9 @@ class FSDP2Adam(ShardedAdam):
     arguments and meaning as ``DistributedFusedAdam`` where they apply; see [Note: FSDP2 engine].
     ``module``: the fully_shard-ed model, for ``no_sync()`` (gradient accumulation) and, with
     ``count_comm=True``, to count FSDP2's all-gathers and reduce-scatters in ``comm_report()``.
+    ``step_kernel``: 'auto' (the fused step where Triton serves and the FP8 weights are per
+    tensor, as ``DistributedFusedAdam`` decides), or force 'reference' (``FSDP2Kernel``: PyTorch
+    ops on fp32 gradient copies) or 'fused' (``FSDP2FusedKernel``; its PyTorch tile ops off CUDA).
     """
 
     engine: FSDP2Engine
@@ -423,6 +547,7 @@ class FSDP2Adam(ShardedAdam):
         delayed_scaling: DelayedScaling | None = None,
         module: nn.Module | None = None,
         count_comm: bool = False,
+        step_kernel: str = "auto",
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
                          adam_w_mode=adam_w_mode)
@@ -431,4 +556,4 @@ class FSDP2Adam(ShardedAdam):
         self.engine = FSDP2Engine(
             self._params, self._group_of, len(self.param_groups), device=self.device,
             state_dtype=state_dtype, fp8_weight_scaling=fp8_weight_scaling,
-            delayed_scaling=delayed_scaling, module=module, count_comm=count_comm)
+            delayed_scaling=delayed_scaling, module=module, count_comm=count_comm, step_kernel=step_kernel)
