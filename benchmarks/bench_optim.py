@@ -226,6 +226,8 @@ def profile_step(step: Callable[[], None], top: int = 8) -> dict[str, Any]:
         if evt.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
             syncs += evt.count
         gpu_us = getattr(evt, "device_time_total", 0.0)
+        if "#" in evt.key or evt.key.startswith(("Optimizer.", "ProfilerStep")):
+            continue  # record_function ranges, shown on the GPU timeline too: not kernels
         if gpu_us > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels.append({"name": evt.key[:70], "launches": evt.count, "gpu_ms": gpu_us / 1e3})
     kernels.sort(key=lambda k: -k["gpu_ms"])
