@@ -13,6 +13,9 @@
                                        serves, else their PyTorch reference ops): the gradient is
                                        read in place from the bucket buffer, in bf16
       ``FSDP2Kernel`` (fsdp2.py)       ``ReferenceKernel`` on FSDP2's local shards
+      ``FSDP2FusedKernel`` (fsdp2.py)  the fused step's tile kernels on each FSDP2 local shard
+                                       (``step_kernel='auto'`` takes it where the flat engine takes
+                                       ``FusedKernel``: Triton serves, per-tensor FP8 weights)
 
     The flat kernels give the same skip decision and, with the reference ops, the same bytes
     (tested bit for bit). A kernel provides:
