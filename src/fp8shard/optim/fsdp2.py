@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,12 +51,14 @@ from fp8shard.optim.fused_step import (
     OUT_AMAX,
     OUT_AMAX_CAST,
     OUT_PARAM,
+    AdamScalars,
     ReferenceKernel,
     Run,
     TileTable,
     adam_tiles_,
     build_tile_table,
     cast_tiles_,
+    sumsq_in_place,
 )
 from fp8shard.optim.layout import ShardPiece
 from fp8shard.optim.step_kernel import StepGrads
@@ -248,11 +250,7 @@ class FSDP2FusedKernel:
         return out
 
     def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in shards:  # the 16-bit shards in place, upcast inside the norm kernel
-            if g.numel():
-                total += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-        return total
+        return sumsq_in_place(shards, self.device)
 
     def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
         grads.coef = coef if grads.coef is None else grads.coef * coef
@@ -262,7 +260,7 @@ class FSDP2FusedKernel:
         return _LocalUnit(self.masters[i], self.exp_avgs[i], self.exp_avg_sqs[i], grad,
                           local_shard(self.params[i]))
 
-    def update(self, grads: StepGrads, hps: list) -> None:
+    def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
         known = self.fp8.known_scales()
         for i, table in enumerate(self.tables):
             if not table.num_tiles:

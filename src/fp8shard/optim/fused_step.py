@@ -441,6 +441,16 @@ def _cast_reference(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, fm
 
 
 # ============================================================================ the optimizer's use
+def sumsq_in_place(shards: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d fp32 sum of squares of the gradient shards, read in their dtype (16-bit: upcast
+    inside the norm kernel, no fp32 copy)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    shards = [g for g in shards if g.numel()]
+    if shards:
+        total += torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
+    return total
+
+
 class FusedKernel:
     """The step kernel ([Note: step kernel] in step_kernel.py) of the fused step: kernel 1 and 2
     over the tile tables of every region (built once, here), Triton or the reference ops as
@@ -472,10 +482,7 @@ class FusedKernel:
         return list(self._grad_shards)
 
     def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        # The 16-bit shards in place, upcast inside the norm kernel.
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        total += torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
-        return total
+        return sumsq_in_place(shards, self.device)
 
     def clip_(self, grads: StepGrads, coef: torch.Tensor) -> None:
         grads.coef = coef if grads.coef is None else grads.coef * coef
