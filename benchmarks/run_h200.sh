@@ -11,6 +11,8 @@
 #   reference      against the compiled plain-PyTorch GPT and torchao float8, 125M and 1.3B (time-boxed)
 #   profile        where a GPT step's time goes, and the Linear's and the cast's
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
+#   memory         where the 125M step's peak memory goes: each phase's peak and what is live at the
+#                  step's peak (compare_peers --memory-snapshot), with the chunked and the plain loss
 #   parity         the 125M loss-parity preset, three runs at a time, time-boxed (PARITY_BOX_S, default
 #                  540 s) and resumable: repeat the same call until it prints the table (PARITY_RECIPES
 #                  picks the recipes, PARITY_GPUS the runs at a time, PARITY_DATA a prepared English
@@ -28,8 +30,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # torchao, carried as a wheel (no networ
 fi
 part="${1:-all}"
 case "$part" in
-  tests|micro|train|peers|peers-compile|reference|profile|engines|parity|all) ;;
-  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines, parity or all" >&2
+  tests|micro|train|peers|peers-compile|reference|profile|engines|memory|parity|all) ;;
+  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines, memory, parity or all" >&2
      exit 2 ;;
 esac
 py=python3
@@ -108,8 +110,15 @@ fi
 if want engines; then
   # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2
   # (blocks compiled, FP8 all-gather); every system eager but torchao's blocks.
-  run $py benchmarks/compare_peers.py --gpu --size 1b --systems fp8shard-fp8,fp8shard-fsdp2,torchao-fsdp2 \
-    --out "$OUT/compare_engines_1b.json" 2>&1 | tail -6
+  run $py benchmarks/compare_peers.py --gpu --size 1b --recipe current \
+    --systems fp8shard-fp8,fp8shard-fsdp2,torchao-fsdp2 --out "$OUT/compare_engines_1b.json" 2>&1 | tail -9
+fi
+if want memory; then
+  # Issue 16: the 125M step peaks 1.5 GB above the compiled reference (docs/performance.md, section 8).
+  run $py benchmarks/compare_peers.py --gpu --size 125m --recipe current --memory-snapshot \
+    --systems reference-bf16,fp8shard-bf16+compile,fp8shard-fp8+compile --out "$OUT/memory_125m.json" 2>&1 | tail -45
+  run $py benchmarks/compare_peers.py --gpu --size 125m --recipe current --loss-chunk-tokens 0 \
+    --systems fp8shard-bf16+compile --out "$OUT/memory_125m_plain_loss.json" 2>&1 | tail -6
 fi
 if [ "$part" = parity ]; then
   # Issue 17 on the GPU: bf16 against the FP8 recipes, 3 seeds, 1000 steps of GPT-2 small
