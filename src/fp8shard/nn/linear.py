@@ -28,7 +28,7 @@ from fp8shard.fp8.scaling import DelayedScaling
 from fp8shard.fp8.tensor import _NOMINAL_DTYPES, Float8Tensor
 from fp8shard.nn.autocast import Fp8State, current_fp8_state
 from fp8shard.nn.model_init import current_model_init
-from fp8shard.nn.quantized_linear import quantized_linear
+from fp8shard.nn.quantized_linear import forward_needs_grads, quantized_linear
 
 # [Note: informed first call]
 #     Under delayed scaling a cast uses the scale its layer's amax history gave; a layer whose
@@ -94,12 +94,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])  # [T, in]
         # The backward needs x only as xᵀ (wgrad) and W only as Wᵀ (dgrad): the casts write
         # those transposed bytes in the same pass, and only they are kept (1 byte/element).
-        if torch.compiler.is_compiling():
-            # Reading ctx.needs_input_grad here breaks torch 2.11's tracing of this Function
-            # (seen on the H200); requires_grad is a superset of it, so nothing is missing.
-            need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
-        else:
-            need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dgrad, need_wgrad = forward_needs_grads(ctx, x, weight)
         x_fp8, x_t, x_scale_inv = _quantize(x2d, fwd_fmt, scales, SLOT_INPUT, history, need_wgrad)
         if isinstance(weight, Float8Tensor):
             # Stored FP8 weights carry their own scale ([Note: weight scaling]): no new cast.

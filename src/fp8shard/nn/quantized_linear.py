@@ -45,6 +45,17 @@ from fp8shard.fp8.tensor import Float8Tensor
 from fp8shard.fp8.tiled import RowwiseQuantizer
 
 
+def forward_needs_grads(ctx, x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
+    """(dgrad, wgrad): whether an FP8 linear Function's forward must keep what the backward needs
+    for dx and for dW. Under ``torch.compile`` from ``requires_grad`` (a superset of
+    ``ctx.needs_input_grad``, so nothing is missing): reading ``ctx.needs_input_grad`` inside
+    the forward breaks torch 2.11's tracing of the Function (seen on the GPU: an
+    ``AssertionError`` in Dynamo's ``overwrite_tensor_vt_proxy``, with a Float8Tensor weight)."""
+    if torch.compiler.is_compiling():
+        return x.requires_grad, weight.requires_grad
+    return ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+
 def _pack(op: Fp8Operand | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return (None, None) if op is None else (op.data, op.scale_inv)
 
@@ -56,7 +67,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 quantizer: Quantizer, fwd_fmt: Fp8Format, bwd_fmt: Fp8Format) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [T, in]
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dgrad, need_wgrad = forward_needs_grads(ctx, x, weight)
         x_op, xt_op = quantizer.quantize(x2d, fwd_fmt, "activation", rows=True, cols=need_wgrad)
         ctx.fp8_weight = None
         if isinstance(weight, Float8Tensor):
