@@ -116,12 +116,17 @@ def run_losses(engine: str, steps: int, replicate: int = 1, clip: float = 0.0, p
 
 def run_with_digest(engine: str, steps: int, replicate: int = 1, clip: float = 0.0,
                     params_dtype: str = "bf16", scaling: str = "current",
-                    recipe: str | None = None) -> tuple[list[float], dict[str, str]]:
+                    recipe: str | None = None,
+                    fp8_compute: bool = True) -> tuple[list[float], dict[str, str]]:
     """``run_losses``' losses and the model-space digest after them (``model_space_digest``);
-    ``engine``: flat, fsdp2, or fsdp2/KERNEL (FSDP2Adam's ``step_kernel``)."""
+    ``engine``: flat, fsdp2, or fsdp2/KERNEL (FSDP2Adam's ``step_kernel``). ``fp8_compute=False``:
+    every layer computes in bf16 from its FP8-stored weight ([Note: FP8 layer filter])."""
     pin_gemm()
     torch.manual_seed(0)
     model = make_model(params_dtype, recipe)
+    for layer in model.modules():
+        if isinstance(layer, fs.nn.Linear):
+            layer.fp8_compute = fp8_compute
     if engine.startswith("fsdp2"):
         shard(model, replicate)
     opt = make_opt(model, engine, grad_dtype=torch.float32 if params_dtype == "fp32" else torch.bfloat16,

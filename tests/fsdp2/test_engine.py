@@ -27,6 +27,18 @@ def test_losses_match_flat_engine_2_ranks(dist_pools):
     assert fsdp2 == flat
 
 
+def test_layers_computing_in_bf16_match_flat_engine(dist_pools):
+    """Every layer out of FP8 compute, its weight FP8-stored: dequantized in the forward and
+    again in the backward, from the bytes FSDP2 gathered again after resharding them at the
+    forward's end. The same losses and states as the flat engine, bit for bit."""
+    pool = dist_pools(2)
+    flat, flat_digest = pool.run(cases.run_with_digest, "flat", 6, fp8_compute=False)[0]
+    fsdp2, fsdp2_digest = pool.run(cases.run_with_digest, "fsdp2", 6, fp8_compute=False)[0]
+    assert fsdp2[-1] < fsdp2[0] - 0.5
+    assert fsdp2 == flat and fsdp2_digest == flat_digest
+    assert fsdp2 != pool.run(cases.run_losses, "fsdp2", 6)[0]  # not the FP8-compute run
+
+
 def test_losses_match_flat_engine_4_ranks(dist_pools):
     """On 4 ranks the gradient average sums 4 numbers, in an order that depends on the buffers
     each engine reduces; with fp32 gradients the engines agree bit for bit until such a rounding

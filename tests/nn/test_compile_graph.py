@@ -22,6 +22,7 @@ import fp8shard as fs
 from fp8shard.fp8.tensor import Float8Tensor
 from fp8shard.models import GPT, GPTConfig
 from fp8shard.nn import Linear
+from fp8shard.nn.gemm_filter import count_fp8_layers
 from fp8shard.optim import DistributedFusedAdam
 
 AOT = {"rtol": 1e-5, "atol": 1e-6}
@@ -114,6 +115,22 @@ def test_fullgraph_compile_matches_eager(kind, recipe_name, fp8_params):
         torch.testing.assert_close(b, a, **AOT)
     if recipe_name == "delayed":
         assert _fp8_state(inner) and all(h.abs().sum() > 0 for h in _fp8_state(inner)[::2])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fullgraph_compile_with_fp8_weights_computing_in_bf16(backend):
+    """The GPT with its MLP layers out of FP8 compute ([Note: FP8 layer filter]), their weights
+    FP8-stored (dequantized in the forward and again in the backward): one graph, as eager."""
+    recipe = RECIPES["current"]()
+    eager, inner = _build("gpt", True), _build("gpt", True)
+    for m in (eager, inner):
+        for name, layer in m.named_modules():
+            if isinstance(layer, Linear) and name.rsplit(".", 1)[-1].startswith("fc"):
+                layer.fp8_compute = False
+    assert count_fp8_layers(inner) == (4, 8)  # qkv and proj of 2 blocks; fc1, fc2 in bf16
+    got = _steps(torch.compile(inner, backend=backend, fullgraph=True), "gpt", recipe)
+    _assert_same(_steps(eager, "gpt", recipe), got, AOT if backend == "aot_eager" else INDUCTOR)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_inductor_fp8_weights_delayed_matches_eager():

@@ -103,3 +103,38 @@ def test_training_command_reports_its_fp8_layers(tmp_path):
     summary = trainer.fit()
     assert summary["fp8"]["fp8_layers"] == "auto"
     assert summary["fp8"]["fp8_compute_layers"] == [layers, layers]  # auto on the CPU: every layer
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_filtered_fp8_weight_keeps_its_bytes_for_backward(autocast):
+    """A layer computing in high precision from an FP8-stored weight dequantizes it again in
+    the backward: what the backward keeps of the weight is the Float8Tensor (its 1-byte
+    storage), no 16-bit copy; and the results are autograd's for F.linear of the dequantized
+    weight, bit for bit, in fp32 and under bf16 autocast (x fp32, bias fp32)."""
+    torch.manual_seed(0)
+    with fs.fp8_model_init():
+        layer = Linear(64, 48)
+    layer.bias.data = layer.bias.data.float()
+    layer.fp8_compute = False
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    dy = torch.randn(2, 8, 48)
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = layer.weight.dequantize().requires_grad_()
+    ref_b = layer.bias.detach().clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        ref = torch.nn.functional.linear(ref_x, ref_w, ref_b)
+    ref.backward(dy.to(ref.dtype))
+
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast), fs.fp8_autocast():
+            y = layer(x)
+    y.backward(dy.to(y.dtype))
+    assert torch.equal(y, ref)
+    assert torch.equal(x.grad, ref_x.grad) and x.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, ref_w.grad)
+    assert torch.equal(layer.bias.grad, ref_b.grad) and layer.bias.grad.dtype == torch.float32
+    weights = [t for t in saved if tuple(t.shape) == (48, 64)]
+    assert weights and all(isinstance(t, fs.Float8Tensor) for t in weights)
+    assert not any(tuple(t.shape) in ((48, 64), (64, 48)) and not isinstance(t, fs.Float8Tensor)
+                   for t in saved)

@@ -10,9 +10,11 @@
 
     A ``fs.nn.Linear`` with ``fp8_compute = False`` computes in the autocast's precision from
     its weight. An FP8-stored weight stays stored, sharded, gathered and written by the
-    optimizer as FP8 bytes with its scale; the layer dequantizes it on the fly (one read of
-    1 B and one write of 2 B per weight per forward, fused into the GEMM's input under
-    torch.compile). Such a layer has no delayed-scaling state and ``AmaxSync`` skips it.
+    optimizer as FP8 bytes with its scale; the layer dequantizes it on the fly, in the forward
+    and again in the backward (``_LinearFromFp8Weight`` in nn/linear.py: one read of 1 B and
+    one write of 2 B per weight each time), so the backward keeps the weight's bytes, not a
+    16-bit copy of every such layer's weight. Such a layer has no delayed-scaling state and
+    ``AmaxSync`` skips it.
 
     ``model.fp8_layers=auto`` (the training command's default) applies ``fp8_gemm_pays`` to the
     block projections on a CUDA device; on the CPU every layer computes in FP8 (there the FP8
@@ -35,8 +37,9 @@ FP8_LAYER_POLICIES = ("auto", "all")
 # small's four projections 0.50-0.61x. A layer alone pays a fixed launch cost that a whole
 # compiled model hides, so the threshold is set where the whole-model measurements stand: at
 # 2^22 weights, GPT-2 small's layers (at most 2.4M) compute in bf16 (measured faster in the
-# whole 125M step) and the 1.3B GPT's 2048x2048 (4.2M) stays in FP8 with its other layers, as
-# in the whole-step figure (1.17x the compiled reference) until that layer is measured in place.
+# whole 125M step) and the 1.3B GPT's 2048x2048 (4.2M) stays in FP8 with its other layers: in
+# place that layer pays (1.17x the compiled reference with it in FP8, 1.15x without; H100,
+# 2026-12-07, docs/performance.md section 7).
 MIN_FP8_FEATURES = 1024
 MIN_FP8_WEIGHT_ELEMENTS = 2 ** 22
 

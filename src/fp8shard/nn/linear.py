@@ -139,16 +139,35 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-class _DequantizeWithGrad(torch.autograd.Function):
-    """A Float8Tensor weight as its high-precision value; the gradient passes straight through."""
+class _LinearFromFp8Weight(torch.autograd.Function):
+    """``F.linear(x, W, b)`` with W an FP8-stored weight, in high precision (a layer that does
+    not compute in FP8, or a call outside ``fp8_autocast``): W is dequantized in the forward
+    and again in the backward, so what the backward keeps of it is its FP8 bytes (1 B per
+    weight, already stored), not a 16-bit copy per layer. The products are autograd's for
+    ``F.linear`` of the dequantized weight, op for op (dx = dy·W, dW = (xᵀ·dy)ᵀ, db = the
+    column sum of dy), in the dtype the forward computed in (the autocast's)."""
 
     @staticmethod
-    def forward(ctx, weight: Float8Tensor) -> torch.Tensor:
-        return weight.dequantize()
+    def forward(ctx, x: torch.Tensor, weight: Float8Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, weight.dequantize(), bias)  # under autocast: in its dtype
+        ctx.dtype = y.dtype
+        ctx.x_dtype, ctx.b_dtype = x.dtype, None if bias is None else bias.dtype
+        ctx.save_for_backward(x.to(y.dtype), weight)
+        return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w = weight.dequantize().to(ctx.dtype)
+            dx = dy2d.mm(w).reshape(*x.shape[:-1], w.shape[1]).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = x.reshape(-1, x.shape[-1]).t().mm(dy2d).t().to(weight.dtype)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0).to(ctx.b_dtype)
+        return dx, dw, db
 
 
 def _check_fp8_weight_dtype(dtype: torch.dtype | None) -> None:
@@ -225,10 +244,9 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = current_fp8_state()
         if state is None or not self.fp8_compute:
-            weight = self.weight
-            if isinstance(weight, Float8Tensor):
-                weight = _DequantizeWithGrad.apply(weight)
-            return F.linear(x, weight, self.bias)
+            if isinstance(self.weight, Float8Tensor):
+                return _LinearFromFp8Weight.apply(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         return self._forward_fp8(x, state)
 
     def _forward_fp8(self, x: torch.Tensor, state: Fp8State) -> torch.Tensor:
