@@ -168,3 +168,61 @@ def peak_live_blocks(snapshot: dict, top: int = 12) -> dict[str, Any]:
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
     return {"peak_mb": peak / 2**20,
             "groups": [{"mb": b / 2**20, "blocks": n, "where": w} for w, (b, n) in ranked]}
+
+
+# ----------------------------------------------------------------------------- one step's memory
+PHASES = ("start", "peak_forward", "after_forward", "peak_backward", "after_backward", "peak_optimizer")
+PHASE_HEADS = ("start", "fwd peak", "fwd end", "bwd peak", "bwd end", "optim")
+
+
+class StepMemory:
+    """The CUDA memory of one training step by phase: allocated at its start (what persists
+    between steps), the forward's peak and what is left after it (+ what is saved for
+    backward), the backward's peak and what is left after it (+ gradients), the optimizer
+    step's peak; with ``snapshot`` also what is live at the step's peak (``peak_live_blocks``).
+    Call ``begin()``, then ``end("forward")``, ``end("backward")``, ``end("optimizer")``; the
+    peak statistics are reset between phases, ``peak_before`` keeps the run's peak so far."""
+
+    def __init__(self, snapshot: bool = False) -> None:
+        self.snapshot = snapshot
+        self.mb: dict[str, float] = {}
+        self.live: dict[str, Any] | None = None
+        self.peak_before = 0
+
+    def begin(self) -> None:
+        self.peak_before = torch.cuda.max_memory_allocated()
+        self.mb["start"] = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+
+    def end(self, phase: str) -> None:
+        self.mb[f"peak_{phase}"] = torch.cuda.max_memory_allocated() / 2**20
+        if phase != "optimizer":
+            self.mb[f"after_{phase}"] = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        if phase == "optimizer" and self.snapshot:
+            self.live = peak_live_blocks(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def peak_bytes(self) -> int:
+        """The run's peak: before this step, or in one of its phases."""
+        phase_peak = max((v for k, v in self.mb.items() if k.startswith("peak_")), default=0.0)
+        return max(self.peak_before, int(phase_peak * 2**20), torch.cuda.max_memory_allocated())
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    """compare_peers' rows with ``mem_phases_mb`` (and ``live_at_peak``) as printed lines."""
+    lines = []
+    phased = [r for r in rows if r.get("available") and r.get("mem_phases_mb")]
+    if phased:
+        lines.append(f"\n{'memory (MB), last step':<23}" + "".join(f"{h:>9}" for h in PHASE_HEADS))
+        lines += [f"{r['system']:<23}" + "".join(f"{r['mem_phases_mb'][k]:>9.0f}" for k in PHASES)
+                  for r in phased]
+    for r in rows:
+        if r.get("live_at_peak"):
+            lines.append(f"\n{r['system']}: live at the step's peak ({r['live_at_peak']['peak_mb']:.0f} MB "
+                         "allocated during the step)")
+            lines += [f"  {g['mb']:9.1f} MB {g['blocks']:5d} blocks  {g['where']}"
+                      for g in r["live_at_peak"]["groups"]]
+    return lines

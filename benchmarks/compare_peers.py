@@ -57,7 +57,7 @@ Measured by this harness in the same way for every system:
                  the forward's peak, after the forward (+ what is saved for backward), the
                  backward's peak, after backward (+ gradients), and the optimizer step's peak;
                  with --memory-snapshot also what was live at the step's peak, by where it was
-                 allocated (accounting.peak_live_blocks)
+                 allocated (accounting.StepMemory, peak_live_blocks)
 On CPU the world-size-1 systems (reference-bf16, torchao-float8) run in a 1-rank group on the
 whole global batch; the others in 2 ranks, each on half of it.
 """
@@ -83,9 +83,10 @@ import torch.distributed as dist
 
 from accounting import (  # benchmarks/
     WIRE_COUNTS,
+    StepMemory,
     count_wire_bytes,
     ddp_counting_hook,
-    peak_live_blocks,
+    memory_table,
     persistent_bytes,
 )
 
@@ -342,6 +343,7 @@ def run_system(system: str, cfg: dict) -> dict:
     if cfg["gpu"]:
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
+    step_memory = StepMemory(bool(cfg.get("memory_snapshot"))) if cfg["gpu"] else None
     WIRE_COUNTS.clear()
     with count_wire_bytes():
         for step, (x, y) in enumerate(_batches(cfg, rank, world, device)):
@@ -353,31 +355,19 @@ def run_system(system: str, cfg: dict) -> dict:
             if cfg.get("compile_mode", "default") != "default":  # CUDA graphs: a new step
                 torch.compiler.cudagraph_mark_step_begin()
             last = step == cfg["steps"] - 1
-            if last and cfg["gpu"]:  # the last step's memory by phase (docstring)
-                peak_before, phases = torch.cuda.max_memory_allocated(), {}
-                phases["start"] = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                if cfg.get("memory_snapshot"):
-                    torch.cuda.memory._record_memory_history(max_entries=500_000)
+            measure = step_memory if last else None  # the last step by phase (docstring)
+            if measure:
+                measure.begin()
             loss = step_loss(model, ctx, x, y)
-            if last and cfg["gpu"]:
-                phases["after_forward"] = torch.cuda.memory_allocated()
-                phases["peak_forward"] = torch.cuda.max_memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+            if measure:
+                measure.end("forward")
             loss.backward()
             after_backward(ctx)
-            if last and cfg["gpu"]:
-                phases["peak_backward"] = torch.cuda.max_memory_allocated()
-                phases["after_backward"] = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+            if measure:
+                measure.end("backward")
             opt.step()
-            if last and cfg["gpu"]:
-                phases["peak_optimizer"] = torch.cuda.max_memory_allocated()
-                peak_before = max(peak_before, phases["peak_forward"], phases["peak_backward"],
-                                  phases["peak_optimizer"])
-                if cfg.get("memory_snapshot"):
-                    live = peak_live_blocks(torch.cuda.memory._snapshot())
-                    torch.cuda.memory._record_memory_history(enabled=None)
+            if measure:
+                measure.end("optimizer")
             if last:  # measured while gradients exist
                 mem = persistent_bytes(model, opt)
             opt.zero_grad(set_to_none=True)
@@ -392,7 +382,7 @@ def run_system(system: str, cfg: dict) -> dict:
         total_params = sum(p.numel() for p in model.parameters())
         if system == "torchao-fsdp2":
             total_params = sum(p.shape.numel() for p in model.parameters())  # DTensor: global
-    peak = (max(peak_before, torch.cuda.max_memory_allocated()) if cfg["gpu"]
+    peak = (step_memory.peak_bytes() if step_memory is not None
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     loss_t = torch.tensor(statistics.mean(losses[-3:]), device=device)
     stored: dict[str, int] = {}  # parameter elements by storage dtype (float8 for FP8 weights)
@@ -404,8 +394,8 @@ def run_system(system: str, cfg: dict) -> dict:
         "step_ms": statistics.median(times) * 1e3,
         "tokens_per_s": cfg["global_batch"] * cfg["seq_len"] / statistics.median(times),
         "peak_mem_mb": peak / 2**20,
-        "mem_phases_mb": {k: v / 2**20 for k, v in phases.items()} if cfg["gpu"] else None,
-        "live_at_peak": live if cfg.get("memory_snapshot") and cfg["gpu"] else None,
+        "mem_phases_mb": step_memory.mb if step_memory is not None else None,
+        "live_at_peak": step_memory.live if step_memory is not None else None,
         "bytes_per_param": {k: v / total_params for k, v in mem.items()},
         "bytes_per_param_total": sum(mem.values()) / total_params,
         "wire_bytes_per_step": {k: v // timed for k, v in sorted(WIRE_COUNTS.items())},
@@ -471,21 +461,8 @@ def _print_table(rows: list[dict], header: str) -> None:
               f"{r['peak_mem_mb']:>9.0f}{r['bytes_per_param_total']:>9.2f}{wire:>13}{r['loss']:>8.3f}"
               f"  {detail}"
               + (f" [{r['note']}]" if r.get("note") else ""))
-    phased = [r for r in rows if r.get("available") and r.get("mem_phases_mb")]
-    if phased:
-        print(f"\n{'memory (MB), last step':<23}"
-              + "".join(f"{h:>9}" for h in ("start", "fwd peak", "fwd end", "bwd peak", "bwd end", "optim")))
-        for r in phased:
-            m = r["mem_phases_mb"]
-            print(f"{r['system']:<23}" + "".join(f"{m[k]:>9.0f}" for k in (
-                "start", "peak_forward", "after_forward", "peak_backward", "after_backward",
-                "peak_optimizer")))
-    for r in rows:
-        if r.get("live_at_peak"):
-            print(f"\n{r['system']}: live at the step's peak ({r['live_at_peak']['peak_mb']:.0f} MB "
-                  "allocated during the step)")
-            for g in r["live_at_peak"]["groups"]:
-                print(f"  {g['mb']:9.1f} MB {g['blocks']:5d} blocks  {g['where']}")
+    for line in memory_table(rows):
+        print(line)
 
 
 def _run_gpu(cfg: dict, systems: list[str], on_row: Any = None) -> list[dict]:

@@ -40,3 +40,55 @@ def test_live_at_peak_groups_by_allocation_site_and_ignores_later_frees() -> Non
 def test_an_empty_trace_has_no_peak() -> None:
     assert peak_live_blocks({"device_traces": [[]]}) == {"peak_mb": 0.0, "groups": []}
     assert peak_live_blocks({}) == {"peak_mb": 0.0, "groups": []}
+
+
+def test_memory_table_prints_the_phases_and_what_is_live():
+    from accounting import PHASES, memory_table
+
+    row = {"system": "fp8shard-bf16+compile", "available": True,
+           "mem_phases_mb": dict(zip(PHASES, (1968.0, 9909.0, 6785.0, 9950.0, 1968.0, 1970.0), strict=True)),
+           "live_at_peak": {"peak_mb": 3124.0,
+                            "groups": [{"mb": 3072.0, "blocks": 13, "where": "loss.py:80 _chunks"}]}}
+    lines = memory_table([row, {"system": "cpu", "available": True, "mem_phases_mb": None},
+                          {"system": "gone", "available": False}])
+    table = "\n".join(lines)
+    assert "fwd peak" in table and "bwd end" in table
+    assert next(ln for ln in lines if ln.startswith("fp8shard-bf16+compile")).split()[1:] == \
+        ["1968", "9909", "6785", "9950", "1968", "1970"]
+    assert "live at the step's peak (3124 MB" in table and "loss.py:80 _chunks" in table
+    assert "cpu" not in table and "gone" not in table
+
+
+def test_step_memory_reads_each_phase(monkeypatch):
+    """StepMemory's bookkeeping with torch.cuda's counters replaced by a scripted allocator."""
+    import accounting
+
+    mb = 2**20
+    state = {"now": 100 * mb, "peak": 500 * mb, "recording": False}
+
+    def alloc(n: int) -> None:  # allocate (n > 0) or free (n < 0) n MB
+        state["now"] += n * mb
+        state["peak"] = max(state["peak"], state["now"])
+
+    cuda = accounting.torch.cuda
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: state["now"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["now"]))
+    monkeypatch.setattr(cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: state.update(recording=enabled is not None))
+    monkeypatch.setattr(cuda.memory, "_snapshot", lambda: {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 40 * mb, "frames": []}]]})
+    m = accounting.StepMemory(snapshot=True)
+    m.begin()
+    assert state["recording"]
+    alloc(300), alloc(-200)  # forward: peak 400, 200 left for backward
+    m.end("forward")
+    alloc(50), alloc(-250)  # backward
+    m.end("backward")
+    alloc(30), alloc(-30)  # optimizer
+    m.end("optimizer")
+    assert m.mb == {"start": 100, "peak_forward": 400, "after_forward": 200, "peak_backward": 250,
+                    "after_backward": 0, "peak_optimizer": 30}
+    assert m.peak_bytes() == 500 * mb  # the run's earlier peak
+    assert not state["recording"] and m.live == {"peak_mb": 40.0, "groups": [
+        {"mb": 40.0, "blocks": 1, "where": "(no frames)"}]}
