@@ -150,9 +150,11 @@ class _LinearFromFp8Weight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Float8Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, weight.dequantize(), bias)  # under autocast: in its dtype
-        ctx.dtype = y.dtype
+        need_dgrad, need_wgrad = forward_needs_grads(ctx, x, weight)
+        ctx.dtype, ctx.x_shape, ctx.w_dtype = y.dtype, x.shape, weight.dtype
         ctx.x_dtype, ctx.b_dtype = x.dtype, None if bias is None else bias.dtype
-        ctx.save_for_backward(x.to(y.dtype), weight)
+        # x only for dW, the weight only for dx (a frozen weight keeps no x)
+        ctx.save_for_backward(x.to(y.dtype) if need_wgrad else None, weight if need_dgrad else None)
         return y
 
     @staticmethod
@@ -162,9 +164,9 @@ class _LinearFromFp8Weight(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             w = weight.dequantize().to(ctx.dtype)
-            dx = dy2d.mm(w).reshape(*x.shape[:-1], w.shape[1]).to(ctx.x_dtype)
+            dx = dy2d.mm(w).reshape(*ctx.x_shape[:-1], w.shape[1]).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = x.reshape(-1, x.shape[-1]).t().mm(dy2d).t().to(weight.dtype)
+            dw = x.reshape(-1, x.shape[-1]).t().mm(dy2d).t().to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0).to(ctx.b_dtype)
         return dx, dw, db
