@@ -369,3 +369,24 @@ def test_cast_is_scales_then_cast_scaled(name):
     out = torch.empty(x.shape, dtype=torch.uint8)
     q.cast_scaled(x, scales, E4M3, "weight", out=out)
     assert torch.equal(out, op.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_two_level_amax_is_the_whole_tensor_max_nan_and_inf_included(compiled):
+    """[Note: two-level amax]: rows first, then their maxima; the value of abs().max() exactly."""
+    from fp8shard.fp8.quantizer import amax
+
+    def whole(t):
+        return t.abs().max().float()
+
+    f = torch.compile(amax, backend="aot_eager", fullgraph=True) if compiled else amax
+    cases = [_randn(48, 80, seed=1).bfloat16(), _randn(3, 16, 40, seed=2), _randn(64, 1, seed=3),
+             _randn(7, seed=4), _randn(5, 9, seed=5) * 1e-30]
+    for t in cases:
+        assert torch.equal(f(t), whole(t)), tuple(t.shape)
+    t = _randn(32, 64, seed=6)
+    t[5, 7] = float("inf")
+    assert f(t).item() == float("inf")
+    t[30, 2] = float("nan")
+    assert f(t).isnan().item()
+    assert f(torch.empty(0, 8)).item() == 0.0
