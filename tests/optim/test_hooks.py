@@ -58,3 +58,48 @@ def test_reduce_scatters_start_during_backward():
     assert sync.handles
     assert len(sync.handles) < len(sync.order)  # the unused ones wait for step()
     opt.step()
+
+
+def test_lazy_zeroing_gives_the_bits_of_zero_then_add():
+    """[Note: lazy gradient zeroing]: after a window that filled every slot, the next window's
+    buffers (what its reduce-scatters read) are bit for bit what zeroing then adding gives: first
+    gradients written over stale slots (-0.0 as +0.0, as 0 + -0.0 is), a micro-batch's added to
+    them, a parameter without a gradient zeroed when its bucket launches, padding still zero."""
+    sizes = [5, 9, 3, 12]
+    params = {i: nn.Parameter(torch.zeros(n)) for i, n in enumerate(sizes)}
+    specs = [ParamSpec(i, params[i].numel(), torch.float32) for i in reversed(range(4))]
+    regions = [RegionBuffers(lay, 0, torch.device("cpu"), torch.float32, torch.float32)
+               for lay in build_layout(specs, world_size=2, bucket_numel=8, alignment=4)]
+    sync = GradSync(regions, params, _RecordingGroup(regions), overlap=True)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+
+    def arrive(i: int, g: torch.Tensor) -> None:
+        params[i].grad = g.clone()
+        sync.accumulate(i, params[i])
+
+    for i, n in enumerate(sizes):  # window 1: every slot (and nothing else) written
+        arrive(i, torch.randn(n, generator=gen) + 5)
+    sync.finish()
+    sync.reset()
+    # Window 2: p0 in two micro-batches, p1 a gradient of -0.0 and 1.5, p2 none, p3 once.
+    expected = [torch.zeros_like(rb.grad_buffer) for rb in regions]
+    g0a, g0b = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    g3 = torch.randn(12, generator=gen)
+    g1 = torch.tensor([-0.0, 1.5, -0.0, 2.0, 0.0, -3.0, -0.0, 1.0, 4.0])
+    with torch.no_grad():
+        for i, g in [(0, g0a), (0, g0b), (1, g1), (3, g3)]:
+            ri = sync.where[i][0]
+            r = regions[ri].ranges[i]
+            expected[ri][r.start:r.end].add_(g)
+    sync.enabled = False
+    arrive(0, g0a)
+    sync.enabled = True
+    arrive(0, g0b)
+    arrive(1, g1)
+    arrive(3, g3)
+    assert 2 in sync.stale  # not written yet: its old gradient is still in the buffer
+    sync.finish()
+    assert not sync.stale
+    for rb, want in zip(regions, expected, strict=True):
+        assert torch.equal(rb.grad_buffer.view(torch.int32), want.view(torch.int32))
+    assert any(rb.layout.numel > rb.layout.param_numel for rb in regions)  # padding was checked

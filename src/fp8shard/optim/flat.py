@@ -56,6 +56,16 @@ class GradSync:
         ``no_sync`` only accumulate; their sum is synced with the last one, so k micro-batches
         of a mean loss give k times the gradient of one: scale the loss by 1/k as usual.
 
+[Note: lazy gradient zeroing]
+    A new accumulation window does not zero the grad buffers (a write of the whole buffer,
+    and a read of it again by the first ``add_``); it marks every parameter's slot *stale*.
+    A parameter's first gradient in the window is written over its stale slot
+    (``torch.add(grad, 0, out=slot)``: the bits ``zero + grad`` gives, -0.0 included), later
+    ones are added; a slot still stale when its bucket launches (a parameter without a
+    gradient) is zeroed then. Padding and alignment gaps are never written by either, and
+    the reduce-scatter leaves them the sum of zeros, so they stay zero from construction on.
+    What the reduce-scatter reads is what the eager zero-then-add gave, bit for bit.
+
         Collectives must be issued in the same order on every rank (NCCL matches them by
         order), yet which bucket completes first can differ between ranks (a parameter unused
         on one rank only). So buckets launch in one fixed order, the order backward is expected
@@ -79,9 +89,12 @@ class GradSync:
         # Each bucket's (this rank's shard, whole bucket) of the grad buffer, which never moves.
         self._views = {k: (regions[k[0]].shard(regions[k[0]].grad_buffer, k[1]),
                            regions[k[0]].bucket(regions[k[0]].grad_buffer, k[1])) for k in self.order}
+        # Each parameter's slot of the grad buffer (views made once: the hooks run per parameter).
+        self._slots = {i: regions[ri].grad_slot(i) for i, (ri, _) in self.where.items()}
         self.handles: dict[BucketKey, Handle] = {}
         self.missing: dict[BucketKey, set[int]] = {}
         self.reset()
+        self.stale: set[int] = set()  # the buffers start at zero ([Note: lazy gradient zeroing])
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in params.items()
         ]
@@ -94,8 +107,7 @@ class GradSync:
         self._next = 0  # position in self.order of the next bucket to launch
         self.dirty = False  # whether any gradient was added since the last reset
         self.missing = {k: set(v) for k, v in self.bucket_params.items()}
-        for rb in self.regions:
-            rb.grad_buffer.zero_()
+        self.stale = set(self.where)  # [Note: lazy gradient zeroing]
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -106,7 +118,7 @@ class GradSync:
     def accumulate(self, index: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        ri, keys = self.where[index]
+        _, keys = self.where[index]
         launched = [k for k in keys if k in self.handles]
         if launched:
             raise RuntimeError(
@@ -114,7 +126,12 @@ class GradSync:
                 "started; accumulate micro-batches inside `with opt.no_sync():` (all but the last), "
                 "or call opt.step()/opt.zero_grad() between backward passes"
             )
-        self.regions[ri].grad_slot(index).add_(p.grad.detach().reshape(-1))
+        slot, grad = self._slots[index], p.grad.detach().reshape(-1)
+        if index in self.stale:
+            torch.add(grad, 0, out=slot)
+            self.stale.discard(index)
+        else:
+            slot.add_(grad)
         self.dirty = True
         p.grad = None  # the bucket holds it now; see [Note: gradient sync]
         if not self.enabled:
@@ -131,6 +148,9 @@ class GradSync:
 
     def _launch(self, key: BucketKey) -> None:
         self._next += 1
+        for i in self.bucket_params[key] & self.stale:  # no gradient this window: zero
+            self._slots[i].zero_()
+            self.stale.discard(i)
         shard, bucket = self._views[key]
         self.handles[key] = self.group.reduce_scatter_avg(shard, bucket, kind="reduce_scatter.grads")
 
