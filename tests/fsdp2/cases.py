@@ -338,7 +338,7 @@ def model_space_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
 def _sha(t: torch.Tensor) -> str:
     import hashlib
 
-    return hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def build(engine: str, params_dtype: str = "bf16", recipe: str | None = None
