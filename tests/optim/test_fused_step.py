@@ -173,13 +173,13 @@ def test_empty_shards_make_empty_tables():
     assert lay.pieces(0) and not lay.pieces(4)
     table = fs.build_tile_table(lay.pieces(4), {0: 0}, {0: 0})
     assert table.num_tiles == 0 and table.group_ranges == () and table.spans() == []
+    amax = fs.slot_amax([table], [torch.zeros(0)], 1, torch.device("cpu"))
+    assert torch.equal(amax, torch.zeros(1))
     rb = _region(5, 4, [3], torch.float8_e4m3fn, bucket=1000, align=16)
     before = _clone(rb)
-    amax = torch.zeros(1)
     fs.adam_tiles_(rb, fs.build_tile_table(rb.pieces, {0: 0}, {0: 0}), SCALARS, out_mode=fs.OUT_AMAX,
-                   slot_amax=amax)
+                   partial_amax=torch.zeros(0))
     assert torch.equal(rb.master, before.master) and torch.equal(rb.param_buffer, before.param_buffer)
-    assert torch.equal(amax, torch.zeros(1))  # no tile here: the slot keeps 0
 
 
 def test_tile_table_arguments():
@@ -214,7 +214,7 @@ def test_triton_module_imports_without_triton():
 @pytest.mark.parametrize("adam_w", [True, False])
 @pytest.mark.parametrize("mode", ["current", "delayed"])
 def test_reference_ops_reproduce_the_optimizer_ops(dtype, adam_w, mode):
-    """adam_tiles_ (its slot amax) / cast_tiles_ on CPU == adam_ over runs + local_amax + cast_region."""
+    """adam_tiles_ / cast_tiles_ / slot_amax on CPU == adam_ over runs + local_amax + cast_region."""
     sizes = [91, 300, 1, 2048, 77]
     rb = _region(3, 1, sizes, dtype, bucket=480, align=16, grad_dtype=torch.bfloat16)
     ref = _clone(rb)
@@ -222,10 +222,10 @@ def test_reference_ops_reproduce_the_optimizer_ops(dtype, adam_w, mode):
     scalars = _scalars(adam_w)
     coef = torch.tensor(0.75)
     scale = torch.rand(len(sizes), generator=torch.Generator().manual_seed(3)) * 1000 + 1
-    amax = torch.zeros(len(sizes))
+    partial = torch.full((table.num_tiles,), float("nan"))
     out_mode = fs.OUT_PARAM if not rb.is_fp8 else (fs.OUT_AMAX if mode == "current" else fs.OUT_AMAX_CAST)
     fs.adam_tiles_(rb, table, scalars, out_mode=out_mode, grad_scale=coef, scale=scale,
-                   slot_amax=amax if rb.is_fp8 else None)
+                   partial_amax=partial if rb.is_fp8 else None)
     if rb.is_fp8 and mode == "current":
         fs.cast_tiles_(rb, table, scale)
 
@@ -245,7 +245,7 @@ def test_reference_ops_reproduce_the_optimizer_ops(dtype, adam_w, mode):
         scaler = Fp8WeightScaler({i: Float8Tensor.quantize(torch.ones(n), fmt) for i, n in enumerate(sizes)},
                                  "current", None, torch.device("cpu"))
         want_amax = scaler.local_amax([ref])
-        assert torch.equal(amax, want_amax)
+        assert torch.equal(fs.slot_amax([table], [partial], len(sizes), torch.device("cpu")), want_amax)
         # cast_region writes the whole shard (padding with scale 0): compare the tile bytes
         scaler.cast_region(ref, scale)
         for _, b, n, _ in table.spans():
@@ -393,11 +393,9 @@ def check_kernels(world: int, rank: int, sizes: list[int], dtype: torch.dtype, *
     scale = (torch.rand(len(sizes), generator=gen) * 3000 + 0.5).to(device)
     fmt = Fp8Format.parse(dtype) if rb.is_fp8 else None
     out_mode = fs.OUT_PARAM if fmt is None else (fs.OUT_AMAX if mode == "current" else fs.OUT_AMAX_CAST)
-    # one slot starts above its amax (it must stay), the others at 0
-    amax = torch.zeros(len(sizes), device=device)
-    amax[-1] = 1e30
+    partial = torch.full((table.num_tiles,), float("nan"), device=device)  # every tile must write
     fs.adam_tiles_(rb, table, scalars, out_mode=out_mode, grad_scale=coef, scale=scale,
-                   slot_amax=amax if fmt else None)
+                   partial_amax=partial if fmt else None)
     if fmt is not None and mode == "current":
         fs.cast_tiles_(rb, table, scale)
     fs._adam_reference(ref, table, scalars, fs.OUT_NONE, coef, None, None, fused=False)
@@ -417,11 +415,14 @@ def check_kernels(world: int, rank: int, sizes: list[int], dtype: torch.dtype, *
 
     expected = old.param_buffer.clone()  # sentinel bytes everywhere but the tiles
     if fmt is not None:
+        starts, lens = table.local_start.tolist(), table.numel.tolist()
+        views = [rb.master[a:a + n] for a, n in zip(starts, lens, strict=True)]
+        want_partial = torch.stack(torch._foreach_norm(views, float("inf"))).float()
+        assert torch.equal(partial, want_partial), "tile amax"
         want_amax = torch.zeros(len(sizes), device=device)
-        want_amax[-1] = 1e30
         for a, _, n, s in table.spans():
             want_amax[s] = torch.maximum(want_amax[s], rb.master[a:a + n].abs().max())
-        assert torch.equal(amax, want_amax), "slot amax"
+        assert torch.equal(fs.slot_amax([table], [partial], len(sizes), rb.master.device), want_amax)
         for a, b, n, s in table.spans():
             cast_to_fp8(rb.master[a:a + n], scale[s], fmt, out=expected[b:b + n])
     else:
@@ -486,24 +487,6 @@ def check_cast_keeps_nan_and_saturates(device: str) -> None:
         assert ((got[nan] & 0x7F) == 0x7F).all()  # NaN stays NaN (0x7F / 0xFF)
 
 
-def check_slot_amax_keeps_nan_and_inf(device: str) -> None:
-    """Kernel 1's slot amax ([Note: slot amax]): a NaN of either sign in the new master gives
-    NaN, an inf gives inf, whatever the other tiles of the slot hold; -0.0 counts as 0."""
-    sizes = [4096, 3000, 100]
-    rb = _region(1, 0, sizes, torch.float8_e4m3fn, bucket=8192, align=16, device=device)
-    table = _tables(rb, len(sizes), 512)
-    starts = {s: a for a, _, _, s in reversed(table.spans())}  # each slot's first tile
-    rb.master[starts[0] + 700] = -float("nan")  # a later tile of slot 0
-    rb.master[starts[1] + 5] = float("inf")
-    rb.master[starts[2]:starts[2] + 100] = -0.0
-    rb.exp_avg[starts[2]:starts[2] + 100] = 0.0
-    rb.grad_buffer.zero_()
-    amax = torch.zeros(len(sizes), device=device)
-    fs.adam_tiles_(rb, table, _scalars(True), out_mode=fs.OUT_AMAX, slot_amax=amax)
-    assert amax[0].isnan() and amax[1].item() == float("inf")
-    assert amax[2].item() == 0.0 and not amax[2].signbit()
-
-
 def fp8_encoding_inputs(n_random: int) -> torch.Tensor:
     """``n_random`` random fp32 bit patterns (NaN, inf, subnormals included), then every finite
     FP8 value of both formats, the midpoints between neighbours (exact ties) and the fp32
@@ -549,13 +532,3 @@ def test_triton_cast_encodes_every_fp8_boundary_and_random_bits():
 def test_triton_cast_keeps_nan_and_saturates():
     fp8shard.set_triton(True)
     check_cast_keeps_nan_and_saturates("cuda")
-
-
-@pytest.mark.gpu
-def test_triton_slot_amax_keeps_nan_and_inf():
-    fp8shard.set_triton(True)
-    check_slot_amax_keeps_nan_and_inf("cuda")
-
-
-def test_reference_slot_amax_keeps_nan_and_inf():
-    check_slot_amax_keeps_nan_and_inf("cpu")

@@ -226,8 +226,16 @@ class FSDP2FusedKernel:
         self.tables: list[TileTable] = [
             build_tile_table([ShardPiece(i, 0, 0, 0, 0, m.numel())], group_of, scaler.slot, block, device)
             for i, m in enumerate(masters)]
-        self._fp8 = [i for i in range(len(self.tables)) if i in scaler.slot]
-        self._amax = torch.zeros(scaler.num_slots, dtype=torch.float32, device=device)
+        # Every FP8 parameter's tile amaxes in one buffer, so the slot amax is one scatter.
+        fp8_tiles = [(i, t.num_tiles) for i, t in enumerate(self.tables) if i in scaler.slot]
+        self._partial = torch.zeros(sum(n for _, n in fp8_tiles), dtype=torch.float32, device=device)
+        self._partial_slot = (torch.cat([self.tables[i].slot for i, _ in fp8_tiles]) if fp8_tiles
+                              else torch.zeros(0, dtype=torch.int64, device=device))
+        self.partials: dict[int, torch.Tensor] = {}
+        start = 0
+        for i, n in fp8_tiles:
+            self.partials[i] = self._partial[start:start + n]
+            start += n
         self._no_grad: dict[int, torch.Tensor] = {}  # zeros for a parameter that got no gradient
 
     def grad_shards(self) -> list[torch.Tensor]:
@@ -254,26 +262,25 @@ class FSDP2FusedKernel:
 
     def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
         known = self.fp8.known_scales()
-        # A new buffer each step: the last one may still be read by its amax all-reduce.
-        self._amax = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
         for i, table in enumerate(self.tables):
             if not table.num_tiles:
                 continue
             fp8 = i in self.fp8.slot
             mode = (OUT_AMAX if known is None else OUT_AMAX_CAST) if fp8 else OUT_PARAM
             adam_tiles_(self._unit(i, grads.shards[i]), table, hps, out_mode=mode,  # type: ignore[arg-type]
-                        grad_scale=grads.coef, scale=known, slot_amax=self._amax if fp8 else None,
+                        grad_scale=grads.coef, scale=known, partial_amax=self.partials.get(i),
                         triton=self.triton)
 
     def local_amax(self) -> torch.Tensor:
-        return self._amax
+        out = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
+        return out.scatter_reduce_(0, self._partial_slot, self._partial, reduce="amax")
 
     def cast(self, scales: torch.Tensor | None) -> None:
         """Kernel 2 on every FP8 shard (current scaling; delayed scaling cast in kernel 1)."""
-        if self.fp8.known_scales() is not None or not self._fp8:
+        if self.fp8.known_scales() is not None or not self.partials:
             return
         assert scales is not None
-        for i in self._fp8:
+        for i in self.partials:
             if self.tables[i].num_tiles:
                 cast_tiles_(self._unit(i), self.tables[i], scales, triton=self.triton)  # type: ignore[arg-type]
 

@@ -14,9 +14,8 @@ arithmetic here ([Note: step kernel]).
       kernel 1 (``adam_tiles_``)  reads master, exp_avg, exp_avg_sq (fp32 or 16-bit) and this
                   rank's gradient shard straight from the bucket buffer (bf16 or fp32: no fp32 copy);
                   writes master, exp_avg, exp_avg_sq; FP8 regions: the tile's amax of the NEW master
-                  into its slot's ``slot_amax`` entry (an atomic max), and with delayed scaling
-                  (the scale of step t is known before step t) also the FP8 bytes (27 B/param
-                  with a bf16 gradient);
+                  into ``partial_amax[tile]``, and with delayed scaling (the scale of step t is
+                  known before step t) also the FP8 bytes (27 B/param with a bf16 gradient);
                   other regions: the parameter shard in its dtype (``master.to(dtype)``).
       kernel 2 (``cast_tiles_``)  current scaling: after the one amax all-reduce, reads master and
                   writes the FP8 bytes with each parameter's scale (5 B/param).
@@ -24,9 +23,8 @@ arithmetic here ([Note: step kernel]).
     Both walk a *tile table* (``TileTable``), built once per region: this rank's pieces
     ([Note: shard layout]) cut into tiles of at most ``block`` elements that never cross a piece,
     so each tile belongs to one parameter (one FP8 scale slot, one param group). One Triton program
-    handles one tile: it knows its slot's scale and folds its amax into the slot's by an integer
-    atomic max on the fp32 bits ([Note: slot amax] in triton_adam.py: exact and order-free, NaN
-    kept), so the per-slot amaxes need no pass of their own. Padding is never touched.
+    handles one tile: it knows its slot's scale and writes its own partial amax (no atomics); a
+    ``scatter_reduce(amax)`` over tiles gives the per-slot amaxes. Padding is never touched.
 
     The arithmetic is ``adam_``'s reference formulas (above) op by op in fp32 (IEEE sqrt and
     division, the fused multiply-adds where PyTorch's CUDA foreach kernels use them), the cast is
@@ -339,7 +337,7 @@ def adam_tiles_(
     out_mode: int,
     grad_scale: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    slot_amax: torch.Tensor | None = None,
+    partial_amax: torch.Tensor | None = None,
     fused_reference: bool | None = None,
     triton: bool | None = None,
 ) -> None:
@@ -347,16 +345,14 @@ def adam_tiles_(
 
     ``scalars[g]`` are param group g's hyperparameters. ``grad_scale``: a 0-d fp32 tensor the
     gradient is multiplied by first (the clipping coefficient), or None. ``out_mode``: OUT_AMAX /
-    OUT_AMAX_CAST fold each slot's amax of the new master into ``slot_amax[slot]`` (fp32, one per
-    scale slot, holding values >= 0: ``max(slot_amax[slot], amax)``, NaN kept; start from zeros)
-    and, for OUT_AMAX_CAST, write the FP8 bytes with ``scale[slot]``; OUT_PARAM writes the
-    parameter shard in the buffer's dtype.
+    OUT_AMAX_CAST write ``partial_amax[tile]`` (fp32, one per tile) and, for OUT_AMAX_CAST, the
+    FP8 bytes with ``scale[slot]``; OUT_PARAM writes the parameter shard in the buffer's dtype.
     ``fused_reference`` is passed to ``adam_`` as ``fused`` on the reference path (None: its
     default, which is what the optimizer runs without Triton). ``triton``: run the Triton kernel
     (True) or the reference ops (False); None asks ``use_triton`` (the optimizer decides once).
     """
-    if out_mode in (OUT_AMAX, OUT_AMAX_CAST) and (slot_amax is None or not rb.is_fp8):
-        raise ValueError("the amax modes are for FP8 regions and need slot_amax")
+    if out_mode in (OUT_AMAX, OUT_AMAX_CAST) and (partial_amax is None or not rb.is_fp8):
+        raise ValueError("the amax modes are for FP8 regions and need partial_amax")
     if out_mode == OUT_AMAX_CAST and scale is None:
         raise ValueError("OUT_AMAX_CAST needs the scales")
     if out_mode == OUT_PARAM and rb.is_fp8:
@@ -371,9 +367,9 @@ def adam_tiles_(
             triton_adam.launch_adam(
                 rb.master, rb.exp_avg, rb.exp_avg_sq, rb.grad_buffer, rb.param_buffer, table, t0, t1,
                 scalars[g], out_mode=out_mode, fmt=fmt, grad_scale=grad_scale, scale=scale,
-                slot_amax=slot_amax)
+                partial_amax=partial_amax)
         return
-    _adam_reference(rb, table, scalars, out_mode, grad_scale, scale, slot_amax, fused_reference)
+    _adam_reference(rb, table, scalars, out_mode, grad_scale, scale, partial_amax, fused_reference)
 
 
 def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton: bool | None = None) -> None:
@@ -393,10 +389,22 @@ def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton
     _cast_reference(rb, table, scale, fmt)
 
 
+def slot_amax(tables: Sequence[TileTable], partials: Sequence[torch.Tensor | None], num_slots: int,
+              device: torch.device) -> torch.Tensor:
+    """Per-slot max of the tiles' partial amaxes (0 for a slot with no tile here): the same
+    ``scatter_reduce(amax)`` that ``Fp8WeightScaler.local_amax`` applies to per-piece amaxes."""
+    out = torch.zeros(num_slots, dtype=torch.float32, device=device)
+    for table, partial in zip(tables, partials, strict=True):
+        if partial is None or table.num_tiles == 0:
+            continue
+        out.scatter_reduce_(0, table.slot, partial, reduce="amax")
+    return out
+
+
 # ============================================================================ reference path
 def _adam_reference(rb: RegionBuffers, table: TileTable, scalars: Sequence[AdamScalars], out_mode: int,
                     grad_scale: torch.Tensor | None, scale: torch.Tensor | None,
-                    slot_amax: torch.Tensor | None, fused: bool | None) -> None:
+                    partial_amax: torch.Tensor | None, fused: bool | None) -> None:
     """What kernel 1 computes, with ``adam_`` (so: what the optimizer computes without Triton)."""
     for g, t0, t1 in table.group_ranges:
         spans = table.spans(t0, t1)
@@ -410,12 +418,10 @@ def _adam_reference(rb: RegionBuffers, table: TileTable, scalars: Sequence[AdamS
               beta2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay,
               decoupled_weight_decay=hp.adam_w_mode, fused=fused)
     if out_mode in (OUT_AMAX, OUT_AMAX_CAST):
-        assert slot_amax is not None
+        assert partial_amax is not None
         lo, n = table.local_start.tolist(), table.numel.tolist()
         views = [rb.master[a:a + c] for a, c in zip(lo, n, strict=True)]
-        tile_amax = torch.stack(torch._foreach_norm(views, float("inf"))).float()
-        # the same scatter_reduce(amax) Fp8WeightScaler.local_amax applies to per-piece amaxes
-        slot_amax.scatter_reduce_(0, table.slot, tile_amax, reduce="amax")
+        partial_amax.copy_(torch.stack(torch._foreach_norm(views, float("inf"))).float())
     if out_mode == OUT_AMAX_CAST:
         assert scale is not None
         _cast_reference(rb, table, scale, rb.fmt)
@@ -466,7 +472,8 @@ class FusedKernel:
         self.triton = use_triton(self.regions[0].master)
         self.tables = [build_tile_table(rb.pieces, group_of, scaler.slot if rb.is_fp8 else {}, block,
                                         rb.master.device) for rb in self.regions]
-        self._amax = torch.zeros(scaler.num_slots, dtype=torch.float32, device=self.device)
+        self.partials = [torch.zeros(t.num_tiles, dtype=torch.float32, device=rb.master.device)
+                         if rb.is_fp8 else None for rb, t in zip(self.regions, self.tables, strict=True)]
         # This rank's shard of every bucket, viewed in the grad buffers (which never move).
         self._grad_shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
                              for b in rb.layout.buckets]
@@ -483,19 +490,16 @@ class FusedKernel:
     def update(self, grads: StepGrads, hps: Sequence[AdamScalars]) -> None:
         """Kernel 1 on every region (and the cast, when the scales are known before the amax)."""
         known = self.fp8.known_scales()
-        # A new buffer each step: the last one may still be read by its amax all-reduce.
-        self._amax = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
-        for rb, table in zip(self.regions, self.tables, strict=True):
+        for rb, table, partial in zip(self.regions, self.tables, self.partials, strict=True):
             if rb.is_fp8:
                 mode = OUT_AMAX if known is None else OUT_AMAX_CAST
             else:
                 mode = OUT_PARAM
             adam_tiles_(rb, table, hps, out_mode=mode, grad_scale=grads.coef, scale=known,
-                        slot_amax=self._amax if rb.is_fp8 else None, triton=self.triton)
+                        partial_amax=partial, triton=self.triton)
 
     def local_amax(self) -> torch.Tensor:
-        """Each slot's amax of the new master on this rank (0 for a slot with no tile here)."""
-        return self._amax
+        return slot_amax(self.tables, self.partials, self.fp8.num_slots, self.device)
 
     def cast(self, scales: torch.Tensor) -> None:
         """Kernel 2 on every FP8 region (current scaling; delayed scaling cast in kernel 1)."""

@@ -124,7 +124,7 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["tile_base"])
     def _adam_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
-                     local_ptr, param_ptr, numel_ptr, slot_ptr, scale_ptr, amax_ptr, grad_scale_ptr,
+                     local_ptr, param_ptr, numel_ptr, slot_ptr, scale_ptr, partial_ptr, grad_scale_ptr,
                      tile_base,
                      decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                      fmt_max,
@@ -146,11 +146,7 @@ if HAVE_TRITON:
                               neg_step_size, fmt_max, BLOCK, ALIGN, WD_MODE, LERP_SMALL,
                               HAS_GRAD_SCALE, OUT_MODE, FMT)
         if OUT_MODE == 1 or OUT_MODE == 2:
-            # [Note: slot amax] The slot's amax, by an integer atomic max on the fp32 bits: for
-            # values >= 0 (and +NaN, the mask clears a sign bit) integer order is float order
-            # and NaN beats inf, so the result is the max, NaN kept, whatever the order.
-            bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            tl.atomic_max(amax_ptr + tl.load(slot_ptr + tile), bits)
+            tl.store(partial_ptr + tile, amax)
 
     @triton.jit
     def _cast_body(tile, n, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr, fmt_max,
@@ -188,12 +184,10 @@ def launch_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
                 grad: torch.Tensor, out: torch.Tensor, table: TileTable, t0: int, t1: int,
                 hp: AdamScalars, *, out_mode: int, fmt: Fp8Format | None,
                 grad_scale: torch.Tensor | None, scale: torch.Tensor | None,
-                slot_amax: torch.Tensor | None, num_warps: int = ADAM_NUM_WARPS) -> None:
+                partial_amax: torch.Tensor | None, num_warps: int = ADAM_NUM_WARPS) -> None:
     """Kernel 1 on tiles ``[t0, t1)`` of ``table`` (all of one param group, hyperparameters ``hp``).
 
-    ``out`` is the region's parameter buffer (uint8 for FP8), ``grad`` its gradient buffer;
-    ``slot_amax`` (fp32, one per scale slot, values >= 0) takes the max of its own values and the
-    new master's amax per slot ([Note: slot amax]).
+    ``out`` is the region's parameter buffer (uint8 for FP8), ``grad`` its gradient buffer.
     """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not available")
@@ -208,7 +202,7 @@ def launch_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         master, exp_avg, exp_avg_sq, grad, out,
         table.local_start, table.param_start, table.numel, table.slot,
         scale if scale is not None else dummy,
-        slot_amax.view(torch.int32) if slot_amax is not None else dummy,
+        partial_amax if partial_amax is not None else dummy,
         grad_scale if grad_scale is not None else dummy,
         t0, **hp.kernel_args(), fmt_max=float(fmt.max) if fmt is not None else 0.0,
         BLOCK=table.block, ALIGN=table.align, WD_MODE=hp.wd_mode, LERP_SMALL=hp.lerp_small,
