@@ -487,6 +487,25 @@ def check_cast_keeps_nan_and_saturates(device: str) -> None:
         assert ((got[nan] & 0x7F) == 0x7F).all()  # NaN stays NaN (0x7F / 0xFF)
 
 
+def check_slot_amax_keeps_nan_and_inf(device: str) -> None:
+    """Kernel 1's tile amaxes and their per-slot max: a NaN of either sign in the new master
+    gives NaN, an inf gives inf, whatever the slot's other tiles hold; -0.0 counts as 0."""
+    sizes = [4096, 3000, 100]
+    rb = _region(1, 0, sizes, torch.float8_e4m3fn, bucket=8192, align=16, device=device)
+    table = _tables(rb, len(sizes), 512)
+    starts = {s: a for a, _, _, s in reversed(table.spans())}  # each slot's first tile
+    rb.master[starts[0] + 700] = -float("nan")  # a later tile of slot 0
+    rb.master[starts[1] + 5] = float("inf")
+    rb.master[starts[2]:starts[2] + 100] = -0.0
+    rb.exp_avg[starts[2]:starts[2] + 100] = 0.0
+    rb.grad_buffer.zero_()
+    partial = torch.full((table.num_tiles,), -1.0, device=device)
+    fs.adam_tiles_(rb, table, _scalars(True), out_mode=fs.OUT_AMAX, partial_amax=partial)
+    amax = fs.slot_amax([table], [partial], len(sizes), rb.master.device)
+    assert amax[0].isnan() and amax[1].item() == float("inf")
+    assert amax[2].item() == 0.0 and not amax[2].signbit()
+
+
 def fp8_encoding_inputs(n_random: int) -> torch.Tensor:
     """``n_random`` random fp32 bit patterns (NaN, inf, subnormals included), then every finite
     FP8 value of both formats, the midpoints between neighbours (exact ties) and the fp32
@@ -532,3 +551,13 @@ def test_triton_cast_encodes_every_fp8_boundary_and_random_bits():
 def test_triton_cast_keeps_nan_and_saturates():
     fp8shard.set_triton(True)
     check_cast_keeps_nan_and_saturates("cuda")
+
+
+@pytest.mark.gpu
+def test_triton_slot_amax_keeps_nan_and_inf():
+    fp8shard.set_triton(True)
+    check_slot_amax_keeps_nan_and_inf("cuda")
+
+
+def test_reference_slot_amax_keeps_nan_and_inf():
+    check_slot_amax_keeps_nan_and_inf("cpu")

@@ -18,6 +18,7 @@ from tests.optim.test_fused_step import (
     check_fp8_encoding,
     check_kernels,
     check_layout,
+    check_slot_amax_keeps_nan_and_inf,
 )
 from tests.optim.test_fused_step_optimizer import _run_opt, assert_optimizers_close
 
@@ -57,6 +58,10 @@ def test_interpreted_kernels_with_16bit_states(state_dtype, interpreted):
 def test_interpreted_cast_keeps_nan_and_saturates(interpreted):
     fp8shard.set_triton(True)
     check_cast_keeps_nan_and_saturates("cpu")
+
+
+def test_interpreted_slot_amax_keeps_nan_and_inf(interpreted):
+    check_slot_amax_keeps_nan_and_inf("cpu")
 
 
 def test_interpreted_cast_encodes_every_fp8_boundary(interpreted):
