@@ -182,3 +182,31 @@ def test_cuda_125m_head_matches_plain_in_a_fraction_of_the_memory():
     # Compiled, Inductor keeps more of each chunk alive (H200, torch 2.11, 2026-12-04: 1.87 GB
     # against 5.07 GB eager-plain, 2.7x less); still far below the plain head's logits.
     assert compiled[3] < want[3] / 2, (compiled[3], want[3])
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_compiled_gradient_form_gives_the_eager_bits(autocast):
+    """Under compile the logits' gradient is a pointwise one-hot (no scatter into an fp32
+    buffer, [Note: chunked loss]); run by ATen kernels (aot_eager) it gives eager's bits,
+    ignored tokens and a ragged last chunk included."""
+    x, w, t = _case(torch.float32, seed=4)
+    t[140:] = -100
+    fn = lambda *a: linear_cross_entropy(*a, chunk_tokens=64)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    want = _loss_and_grads(fn, x, w, t, 1.0, autocast)
+    got = _loss_and_grads(compiled, x, w, t, 1.0, autocast)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inductor_keeps_no_fp32_chunk_of_logits():
+    """The Inductor graph of the chunked loss allocates no fp32 buffer of a chunk's logits."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, w, t = _case(torch.float32, seed=5)
+    fn = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c, chunk_tokens=64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, codes = run_and_get_code(fn, x, w, t)
+    code = "\n".join(codes)
+    assert "empty_strided_cpu((64, 97), (97, 1), torch.bfloat16)" in code  # a chunk's logits
+    assert "(64, 97), (97, 1), torch.float32" not in code

@@ -25,10 +25,14 @@
     ``dW`` after the GEMMs here, to the logits' gradient before them there (one rounding apart
     in bf16). tests/train/test_loss.py states the tolerances.
 
-    Under ``torch.compile`` the chunk loop unrolls (the shapes are static) and Inductor fuses
-    each chunk's fp32 work (log-softmax, exp, the one-hot subtraction, the scale, the cast) into
-    a few kernels; eagerly the chunk makes four passes over its fp32 logits (log-softmax, exp,
-    scale, cast), fewer than the plain path's forward and backward. Without gradients
+    Under ``torch.compile`` the chunk loop unrolls (the shapes are static) and the gradient is
+    one pointwise expression of the logits (the one-hot as a comparison with the column index,
+    not a scatter into an fp32 buffer), which Inductor fuses with the log-softmax into a kernel
+    that writes the 16-bit gradient: no fp32 chunk is ever in memory. (With the scatter, the
+    H100 kept every chunk's fp32 buffer alive at once: 13 x 246 MB at 125M, the whole fp32
+    logits, 2026-12-07.) Eagerly the chunk makes four passes over its fp32 logits (log-softmax,
+    exp, scatter + scale, cast), fewer than the plain path's forward and backward; both forms
+    give the same bits. Without gradients
     (validation) only the loss is computed, chunk by chunk.
 """
 
@@ -85,11 +89,19 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: 
         total = total - torch.where(vc, logp.gather(1, tsafe).squeeze(1), 0.0).sum()
         if not (need_dx or need_dw):
             continue
-        # dL/dlogits = (softmax - onehot) / count on valid rows, in place: one fp32 chunk alive
-        p = logp.exp_()
-        p.scatter_add_(1, tsafe, -vc.unsqueeze(1).to(p.dtype))
-        g = p.mul_(vc.unsqueeze(1).to(p.dtype) / count).to(dtype)
-        del p, logp
+        # dL/dlogits = (softmax - onehot) / count on valid rows
+        coef = vc.unsqueeze(1).to(torch.float32) / count
+        if torch.compiler.is_compiling():
+            # One pointwise expression: Inductor writes the 16-bit gradient straight from the
+            # logits and their row statistics, with no fp32 chunk in memory ([Note: chunked loss])
+            hit = (torch.arange(logp.shape[1], device=logp.device) == tsafe) & vc.unsqueeze(1)
+            g = ((logp.exp() - hit.to(torch.float32)) * coef).to(dtype)
+        else:  # in place: one fp32 chunk alive, the same bits (p + -1.0 is p - 1.0; p + -0.0 is p)
+            p = logp.exp_()
+            p.scatter_add_(1, tsafe, -vc.unsqueeze(1).to(p.dtype))
+            g = p.mul_(coef).to(dtype)
+            del p
+        del logp
         if need_dx:
             dx_parts.append(torch.mm(g, weight))
         if need_dw:
