@@ -179,9 +179,11 @@ def test_cuda_125m_head_matches_plain_in_a_fraction_of_the_memory():
         _close(r[1], want[1], 2**-6)
         _close(r[2], want[2], 2**-6)
     assert got[3] < want[3] / 3, (got[3], want[3])
-    # Compiled, Inductor keeps more of each chunk alive (H200, torch 2.11, 2026-12-04: 1.87 GB
-    # against 5.07 GB eager-plain, 2.7x less); still far below the plain head's logits.
-    assert compiled[3] < want[3] / 2, (compiled[3], want[3])
+    # Compiled, no fp32 chunk is in memory ([Note: chunked loss]): it holds no more than the
+    # eager chunk-at-a-time path. (With the gradient made by a scatter into an fp32 buffer,
+    # Inductor kept every chunk's buffer alive: 1.87 GB against 5.07 GB eager-plain, H200,
+    # torch 2.11, 2026-12-04.)
+    assert compiled[3] <= 1.25 * got[3], (compiled[3], got[3])
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
