@@ -4,7 +4,8 @@
 # PART, by purpose (each script prints a table and writes JSON; the figures go to docs/benchmarks.md
 # as dated tables with their commands):
 #   tests          every GPU-marked test (pytest -m gpu tests)
-#   micro          one op at a time: quantize, the FP8 Linear, the optimizer step, the fused step's kernels
+#   micro          one op at a time: quantize, the FP8 Linear, the optimizer step, the fused step's kernels,
+#                  the compiled cast at the GPT's sites (current/delayed, amax forms)
 #   train          the 125M preset trained three ways (FP8, bf16, bf16 AdamW)
 #   peers          the ~1.3B GPT against the peer systems, eager
 #   peers-compile  the same, fp8shard compiled in place, against torchao float8 + FSDP2
@@ -46,6 +47,7 @@ if want micro; then
   run $py benchmarks/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tail -20
   run $py benchmarks/bench_optim.py --gpu --params-m 256 --out "$OUT/bench_optim_gpu.json" 2>&1 | tail -15
   run $py benchmarks/bench_fused_step.py --params-m 256 --sweep --out "$OUT/bench_fused_step.json" 2>&1 | tail -25
+  run $py benchmarks/bench_compiled_cast.py --out "$OUT/bench_compiled_cast.json" 2>&1 | tail -14
 fi
 if want train; then
   # The 125M preset on one GPU: FP8 params + DistributedFusedAdam vs bf16 (ours) vs bf16 AdamW.
