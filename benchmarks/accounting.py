@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any
 
 import torch
@@ -142,12 +143,33 @@ def _where(frames: list[dict]) -> str:
     return "(no frames)"
 
 
+_INDUCTOR_ALLOC = re.compile(r"empty_strided_\w+\(\((?P<shape>[^)]*)\), \([^)]*\), torch\.(?P<dtype>\w+)\)")
+
+
+def _kind(where: str) -> str:
+    """An allocation's shape and dtype where Inductor's generated line says them (``(1280, 50304)
+    float32``), else where it was made: the blocks of one kind made on many lines add up."""
+    m = _INDUCTOR_ALLOC.search(where)
+    return f"({m['shape']}) {m['dtype']}" if m else where
+
+
+def _ranked(at_peak: list[tuple[int, str]], key, top: int) -> list[dict[str, Any]]:
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak:
+        g = groups.setdefault(key(where), [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"mb": b / 2**20, "blocks": n, "where": w} for w, (b, n) in ranked]
+
+
 def peak_live_blocks(snapshot: dict, top: int = 12) -> dict[str, Any]:
     """Replay a ``torch.cuda.memory._snapshot()``'s allocation trace (recorded with
     ``torch.cuda.memory._record_memory_history()``): the moment the memory allocated during the
-    recording peaked, and what was live then, grouped by where it was allocated (``_where``),
-    largest first. Blocks allocated before the recording started are not in the trace: the peak
-    is over the recording's own allocations."""
+    recording peaked, and what was live then, grouped by where it was allocated (``_where``,
+    "groups") and by shape and dtype ("kinds", ``_kind``), largest first. Blocks allocated
+    before the recording started are not in the trace: the peak is over the recording's own
+    allocations."""
     live: dict[int, tuple[int, str]] = {}
     now = peak = 0
     at_peak: dict[int, tuple[int, str]] = {}
@@ -160,14 +182,9 @@ def peak_live_blocks(snapshot: dict, top: int = 12) -> dict[str, Any]:
                 peak, at_peak = now, dict(live)
         elif action == "free_completed" and addr in live:
             now -= live.pop(addr)[0]
-    groups: dict[str, list[int]] = {}
-    for size, where in at_peak.values():
-        g = groups.setdefault(where, [0, 0])
-        g[0] += size
-        g[1] += 1
-    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"peak_mb": peak / 2**20,
-            "groups": [{"mb": b / 2**20, "blocks": n, "where": w} for w, (b, n) in ranked]}
+    blocks = list(at_peak.values())
+    return {"peak_mb": peak / 2**20, "groups": _ranked(blocks, lambda w: w, top),
+            "kinds": _ranked(blocks, _kind, top)}
 
 
 # ----------------------------------------------------------------------------- one step's memory
@@ -225,4 +242,7 @@ def memory_table(rows: list[dict]) -> list[str]:
                          "allocated during the step)")
             lines += [f"  {g['mb']:9.1f} MB {g['blocks']:5d} blocks  {g['where']}"
                       for g in r["live_at_peak"]["groups"]]
+            lines.append("  by shape and dtype:")
+            lines += [f"  {g['mb']:9.1f} MB {g['blocks']:5d} blocks  {g['where']}"
+                      for g in r["live_at_peak"].get("kinds", [])]
     return lines

@@ -38,8 +38,27 @@ def test_live_at_peak_groups_by_allocation_site_and_ignores_later_frees() -> Non
 
 
 def test_an_empty_trace_has_no_peak() -> None:
-    assert peak_live_blocks({"device_traces": [[]]}) == {"peak_mb": 0.0, "groups": []}
-    assert peak_live_blocks({}) == {"peak_mb": 0.0, "groups": []}
+    assert peak_live_blocks({"device_traces": [[]]}) == {"peak_mb": 0.0, "groups": [], "kinds": []}
+    assert peak_live_blocks({}) == {"peak_mb": 0.0, "groups": [], "kinds": []}
+
+
+def test_live_at_peak_adds_up_inductor_blocks_of_one_shape_made_on_many_lines(tmp_path) -> None:
+    """Inductor allocates each chunk's buffer on its own line; by shape and dtype they add up."""
+    mb = 2**20
+    code = tmp_path / "torchinductor_cx" / "cabc.py"
+    code.parent.mkdir()
+    code.write_text("\n".join([
+        "buf1 = empty_strided_cuda((1280, 50304), (50304, 1), torch.float32)",
+        "buf2 = empty_strided_cuda((1280, 50304), (50304, 1), torch.float32)",
+        "buf3 = empty_strided_cuda((768, 3072), (3072, 1), torch.bfloat16)"]) + "\n")
+    at = lambda line: [{"filename": str(code), "line": line, "name": "call"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 240 * mb, "frames": at(1)},
+             {"action": "alloc", "addr": 2, "size": 240 * mb, "frames": at(2)},
+             {"action": "alloc", "addr": 3, "size": 300 * mb, "frames": at(3)}]
+    out = peak_live_blocks({"device_traces": [trace]})
+    assert [(g["mb"], g["blocks"]) for g in out["groups"]] == [(300, 1), (240, 1), (240, 1)]
+    assert [(g["mb"], g["blocks"], g["where"]) for g in out["kinds"]] == [
+        (480, 2, "(1280, 50304) float32"), (300, 1, "(768, 3072) bfloat16")]
 
 
 def test_memory_table_prints_the_phases_and_what_is_live():
@@ -56,6 +75,7 @@ def test_memory_table_prints_the_phases_and_what_is_live():
     assert next(ln for ln in lines if ln.startswith("fp8shard-bf16+compile")).split()[1:] == \
         ["1968", "9909", "6785", "9950", "1968", "1970"]
     assert "live at the step's peak (3124 MB" in table and "loss.py:80 _chunks" in table
+    assert "by shape and dtype:" in table
     assert "cpu" not in table and "gone" not in table
 
 
@@ -90,5 +110,5 @@ def test_step_memory_reads_each_phase(monkeypatch):
     assert m.mb == {"start": 100, "peak_forward": 400, "after_forward": 200, "peak_backward": 250,
                     "after_backward": 0, "peak_optimizer": 30}
     assert m.peak_bytes() == 500 * mb  # the run's earlier peak
-    assert not state["recording"] and m.live == {"peak_mb": 40.0, "groups": [
-        {"mb": 40.0, "blocks": 1, "where": "(no frames)"}]}
+    block = [{"mb": 40.0, "blocks": 1, "where": "(no frames)"}]
+    assert not state["recording"] and m.live == {"peak_mb": 40.0, "groups": block, "kinds": block}
