@@ -138,3 +138,51 @@ def test_a_filtered_fp8_weight_keeps_its_bytes_for_backward(autocast):
     assert weights and all(isinstance(t, fs.Float8Tensor) for t in weights)
     assert not any(tuple(t.shape) in ((48, 64), (64, 48)) and not isinstance(t, fs.Float8Tensor)
                    for t in saved)
+
+
+@pytest.mark.parametrize("nominal", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+def test_the_backward_dequantize_is_the_forward_one_bit_for_bit(nominal, fmt):
+    """[Note: dequantize again]: the backward's dequantize (the product's operands swapped) gives
+    the bits of ``dequantize()``, on every FP8 code (NaN included) and a random scale."""
+    from fp8shard.nn.linear import _dequantize_again
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(32, 32)
+    f = fs.Fp8Format.parse(fmt)
+    w = fs.Float8Tensor(codes.view(f.torch_dtype), torch.tensor(0.0123), f, nominal)
+    got, want = _dequantize_again(w), w.dequantize()
+    assert got.dtype == want.dtype == nominal
+    assert torch.equal(got.view(torch.int16 if nominal == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if nominal == torch.bfloat16 else torch.int32))
+
+
+def test_compiled_gpt_keeps_no_16bit_copy_of_its_fp8_weights_for_backward():
+    """Inductor's forward graph of a GPT whose layers compute in bf16 from FP8-stored weights
+    returns (saves for the backward) no buffer of a weight's shape: the backward dequantizes the
+    bytes again ([Note: dequantize again]). Before, the graph merged the two dequantizes and kept
+    a 16-bit copy of every weight from the forward to the backward."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, max_position_embeddings=64, num_layers=2, hidden_size=128,
+                    ffn_hidden_size=512, num_attention_heads=4)
+    with fs.fp8_model_init():
+        model = GPT(cfg)
+    select_fp8_layers(model, "all")
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.fp8_compute = False
+    x, y = torch.randint(0, 512, (3, 40)), torch.randint(0, 512, (3, 40))  # 120 tokens
+    step = torch.compile(lambda a, b: model(a, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16), fs.fp8_autocast():
+        _, codes = run_and_get_code(lambda: step(x, y).backward())
+    forward = next(c for c in codes if "def call(" in c)
+    body = forward[forward.index("def call("):]
+    shapes = {name: shape for name, shape in
+              re.findall(r"(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.\w+\)", body)}
+    returned = [ln for ln in body.splitlines() if ln.strip().startswith("return (")][-1]
+    saved = re.findall(r"\b(buf\d+)\b", returned)
+    weight_shapes = {"384, 128", "128, 128", "512, 128", "128, 512"}
+    assert saved and not [n for n in saved if shapes.get(n) in weight_shapes]
