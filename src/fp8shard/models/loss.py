@@ -32,8 +32,8 @@
     H100 kept every chunk's fp32 buffer alive at once: 13 x 246 MB at 125M, the whole fp32
     logits, 2026-12-07.) Eagerly the chunk makes four passes over its fp32 logits (log-softmax,
     exp, scatter + scale, cast), fewer than the plain path's forward and backward; both forms
-    give the same bits. Without gradients
-    (validation) only the loss is computed, chunk by chunk.
+    give the same bits. Without gradients (validation) only the loss is computed, chunk by
+    chunk.
 """
 
 from __future__ import annotations

@@ -56,20 +56,20 @@ class GradSync:
         ``no_sync`` only accumulate; their sum is synced with the last one, so k micro-batches
         of a mean loss give k times the gradient of one: scale the loss by 1/k as usual.
 
-[Note: lazy gradient zeroing]
-    A new accumulation window does not zero the grad buffers (a write of the whole buffer,
-    and a read of it again by the first ``add_``); it marks every parameter's slot *stale*.
-    A parameter's first gradient in the window is written over its stale slot
-    (``torch.add(grad, 0, out=slot)``: the bits ``zero + grad`` gives, -0.0 included), later
-    ones are added; a slot still stale when its bucket launches (a parameter without a
-    gradient) is zeroed then. Padding and alignment gaps are never written by either, and
-    the reduce-scatter leaves them the sum of zeros, so they stay zero from construction on.
-    What the reduce-scatter reads is what the eager zero-then-add gave, bit for bit.
-
         Collectives must be issued in the same order on every rank (NCCL matches them by
         order), yet which bucket completes first can differ between ranks (a parameter unused
         on one rank only). So buckets launch in one fixed order, the order backward is expected
         to complete them; a bucket that completes early waits for the ones before it.
+
+    [Note: lazy gradient zeroing]
+        A new accumulation window does not zero the grad buffers (a write of the whole
+        buffer, and a read of it again by the first ``add_``); it marks every parameter's slot
+        *stale*. A parameter's first gradient in the window is written over its stale slot
+        (``torch.add(grad, 0, out=slot)``: the bits ``zero + grad`` gives, -0.0 included),
+        later ones are added; a slot still stale when its bucket launches (a parameter without
+        a gradient) is zeroed then. Padding and alignment gaps are never written by either, and
+        the reduce-scatter leaves them the sum of zeros, so they stay zero from construction
+        on. What the reduce-scatter reads is what zeroing then adding gave, bit for bit.
     """
 
     def __init__(self, regions: list[RegionBuffers], params: dict[int, torch.Tensor],
