@@ -136,6 +136,11 @@ class Case:
     scaling: str = "current"
     groups: bool = False  # two param groups: no weight decay and another lr for biases/norms
     skip_on_rank0: bool = False  # rank 0 does not use gamma: its buckets complete in another order
+    skip_at_step: int | None = None  # no rank uses gamma at this step (its slot holds the last one's)
+
+
+def _skips_gamma(case: Case, rank: int, step: int) -> bool:
+    return (case.skip_on_rank0 and rank == 0) or case.skip_at_step == step
 
 
 def _is_decayed(name: str) -> bool:
@@ -192,7 +197,7 @@ def run_training(case: Case) -> dict:
             factor = (float("nan") if bad else 1.0) / case.micro
             ctx = opt.no_sync() if j < case.micro - 1 else contextlib.nullcontext()
             with ctx:
-                out = model(batch(step, rank, j, case.rows), skip_gamma=case.skip_on_rank0 and rank == 0)
+                out = model(batch(step, rank, j, case.rows), skip_gamma=_skips_gamma(case, rank, step))
                 (out.square().mean() * factor).backward()
         if case.overlap_param_sync and step > 1:
             assert not opt.engine.param_sync.pending, "forward pre-hooks should have waited for every bucket"
@@ -204,7 +209,7 @@ def run_training(case: Case) -> dict:
             for j in range(case.micro):
                 bad = case.nan_at_step == step and r == 1
                 g = grads_at(model, batch(step, r, j, case.rows), (float("nan") if bad else 1.0) / case.micro,
-                             skip_gamma=case.skip_on_rank0 and r == 0)
+                             skip_gamma=_skips_gamma(case, r, step))
                 for n in names:
                     acc[n] += g[n].to(case.grad_sync_dtype)
             for n in names:

@@ -45,6 +45,12 @@ def test_parameter_unused_on_one_rank_only(dist_pools):
     _train(dist_pools, 3, Case(skip_on_rank0=True))
 
 
+def test_a_parameter_without_a_gradient_after_one_with_counts_as_zero(dist_pools):
+    # [Note: lazy gradient zeroing]: gamma's slot still holds step 1's gradient when step 2 gives
+    # it none; the step must read zero there, as the reference does.
+    _train(dist_pools, 2, Case(skip_at_step=2, steps=3))
+
+
 def test_param_groups(dist_pools):
     _train(dist_pools, 3, Case(groups=True, alignment=4))
 
