@@ -145,12 +145,10 @@ def test_a_filtered_fp8_weight_keeps_its_bytes_for_backward(autocast):
 def test_the_backward_dequantize_is_the_forward_one_bit_for_bit(nominal, fmt):
     """[Note: dequantize again]: the backward's dequantize (the product's operands swapped) gives
     the bits of ``dequantize()``, on every FP8 code (NaN included) and a random scale."""
-    from fp8shard.nn.linear import _dequantize_again
-
     codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(32, 32)
     f = fs.Fp8Format.parse(fmt)
     w = fs.Float8Tensor(codes.view(f.torch_dtype), torch.tensor(0.0123), f, nominal)
-    got, want = _dequantize_again(w), w.dequantize()
+    got, want = w.dequantize(scale_first=True), w.dequantize()
     assert got.dtype == want.dtype == nominal
     assert torch.equal(got.view(torch.int16 if nominal == torch.bfloat16 else torch.int32),
                        want.view(torch.int16 if nominal == torch.bfloat16 else torch.int32))
@@ -186,3 +184,15 @@ def test_compiled_gpt_keeps_no_16bit_copy_of_its_fp8_weights_for_backward():
     saved = re.findall(r"\b(buf\d+)\b", returned)
     weight_shapes = {"384, 128", "128, 128", "512, 128", "128, 512"}
     assert saved and not [n for n in saved if shapes.get(n) in weight_shapes]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_the_backward_dequantize_of_a_tiled_weight_is_the_forward_one_bit_for_bit(recipe):
+    """[Note: dequantize again] for rowwise and blockwise weights (partial tiles included)."""
+    torch.manual_seed(0)
+    r = fs.RowwiseScaling() if recipe == "rowwise" else fs.BlockwiseScaling()
+    with fs.fp8_model_init(recipe=r):
+        layer = Linear(300, 200)
+    w = layer.weight
+    assert isinstance(w, fs.Float8Tensor) and w.block is not None
+    assert torch.equal(w.dequantize(scale_first=True).view(torch.int32), w.dequantize().view(torch.int32))

@@ -103,8 +103,12 @@ def cast_to_fp8(
     return out
 
 
-def cast_from_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data * scale_inv`` in fp32, returned as ``dtype``."""
+def cast_from_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                  scale_first: bool = False) -> torch.Tensor:
+    """``data * scale_inv`` in fp32, returned as ``dtype``. ``scale_first``: the same bits
+    written as ``scale_inv * data`` (IEEE products commute; [Note: dequantize again])."""
+    if scale_first:
+        return (scale_inv.float() * data.float()).to(dtype)
     return (data.float() * scale_inv.float()).to(dtype)
 
 

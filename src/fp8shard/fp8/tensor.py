@@ -188,13 +188,16 @@ class Float8Tensor(torch.Tensor):
         return out
 
     # ------------------------------------------------------------------ reading
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
-        """The value as a plain tensor of ``dtype`` (default: the nominal dtype)."""
+    def dequantize(self, dtype: torch.dtype | None = None,  # type: ignore[override]
+                   scale_first: bool = False) -> torch.Tensor:
+        """The value as a plain tensor of ``dtype`` (default: the nominal dtype).
+        ``scale_first``: the same bits from ``scale_inv * bytes``, an expression a compiler does
+        not merge with the default one ([Note: dequantize again] in nn/linear.py)."""
         if self._block is not None:
             data = self._data.view(self.tile_shape)  # a flat view: its grid's 2-D shape
-            value = mul_tiles(data, self._scale_inv.float(), self._block)
+            value = mul_tiles(data, self._scale_inv.float(), self._block, scale_first)
             return value.view(self.shape).to(dtype or self.dtype)
-        return cast_from_fp8(self._data, self._scale_inv, dtype or self.dtype)
+        return cast_from_fp8(self._data, self._scale_inv, dtype or self.dtype, scale_first)
 
     @property
     def scale_inv(self) -> torch.Tensor:

@@ -60,15 +60,18 @@ def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return _tiles(x.detach().abs().float(), block).amax(dim=(1, 3))  # [rb, cb]
 
 
-def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def mul_tiles(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
+              scale_first: bool = False) -> torch.Tensor:
     """fp32 ``x`` [R, C] times the per-tile values ``s`` [ceil(R/br), ceil(C/bc)], contiguous.
 
     Tile by tile through the [rb, br, cb, bc] view, never ``s`` expanded to x's shape
-    (Inductor's CPU code generator rejects that expand + reshape).
+    (Inductor's CPU code generator rejects that expand + reshape). ``scale_first``: the same
+    bits written as ``s * x`` ([Note: dequantize again]).
     """
     if block[0] == 1 and s.shape[1] == 1:
-        return x.float() * s  # [R, 1] broadcasts over the row
-    return _untile(_tiles(x.float(), block) * s[:, None, :, None], x.shape)
+        return s * x.float() if scale_first else x.float() * s  # [R, 1] broadcasts over the row
+    t, st = _tiles(x.float(), block), s[:, None, :, None]
+    return _untile(st * t if scale_first else t * st, x.shape)
 
 
 def tile_scales(stats: torch.Tensor, fmt: Fp8Format, power_of_2: bool = False) -> torch.Tensor:

@@ -163,25 +163,18 @@ class _LinearFromFp8Weight(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            w = _dequantize_again(weight).to(ctx.dtype)
+            # [Note: dequantize again] The forward's dequantize written with the product's
+            # operands swapped (the same bits): as the same expression, a compiler's
+            # common-subexpression pass merges the two, and the graph then keeps the forward's
+            # 16-bit copy of every weight for the backward (seen in Inductor's graph, tested)
+            # instead of the bytes.
+            w = weight.dequantize(scale_first=True).to(ctx.dtype)
             dx = dy2d.mm(w).reshape(*ctx.x_shape[:-1], w.shape[1]).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = x.reshape(-1, x.shape[-1]).t().mm(dy2d).t().to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0).to(ctx.b_dtype)
         return dx, dw, db
-
-
-def _dequantize_again(weight: Float8Tensor) -> torch.Tensor:
-    """``weight.dequantize()`` bit for bit, for the backward of ``_LinearFromFp8Weight``.
-
-    [Note: dequantize again] Written with the product's operands swapped (``scale_inv * bytes``;
-    IEEE products commute): as the same expression, a compiler's common-subexpression pass
-    merges it with the forward's dequantize, and the graph then keeps the forward's 16-bit copy
-    of every weight for the backward (seen in Inductor's graph, tested) instead of the bytes."""
-    if weight.block is not None:
-        return weight.dequantize()
-    return (weight._scale_inv.float() * weight._data.float()).to(weight.dtype)
 
 
 def _check_fp8_weight_dtype(dtype: torch.dtype | None) -> None:
