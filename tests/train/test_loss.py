@@ -212,3 +212,32 @@ def test_inductor_keeps_no_fp32_chunk_of_logits():
     code = "\n".join(codes)
     assert "empty_strided_cpu((64, 97), (97, 1), torch.bfloat16)" in code  # a chunk's logits
     assert "(64, 97), (97, 1), torch.float32" not in code
+
+
+def test_compiled_target_pick_is_a_row_reduction_not_a_gather():
+    """Under compile the target's log-probability is a reduction over each row of the chunk
+    (read where the log-softmax reads), not a gather: a gather's reads can be fused into one
+    late kernel for all chunks, which keeps every chunk's logits alive until it runs
+    ([Note: chunked loss]). The forward graph Inductor receives has no gather, and one row
+    reduction per chunk for the pick besides the log-softmax's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    x, w, t = _case(torch.float32, seed=6)
+    fn = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c, chunk_tokens=64),
+                       backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fn(x, w, t).backward()
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [s for s in targets if "gather" in s]
+    chunks = -(-N // 64)
+    row_sums = [n for n in graphs[0].graph.nodes if n.op == "call_function"
+                and str(n.target) == "aten.sum.dim_IntList" and list(n.args[1]) == [1]
+                and tuple(n.meta["val"].shape) == (n.args[0].meta["val"].shape[0],)]
+    assert len(row_sums) >= chunks

@@ -30,7 +30,12 @@
     not a scatter into an fp32 buffer), which Inductor fuses with the log-softmax into a kernel
     that writes the 16-bit gradient: no fp32 chunk is ever in memory. (With the scatter, the
     H100 kept every chunk's fp32 buffer alive at once: 13 x 246 MB at 125M, the whole fp32
-    logits, 2026-12-07.) Eagerly the chunk makes four passes over its fp32 logits (log-softmax,
+    logits, 2026-12-07.) The target's log-probability is there a reduction over the chunk's
+    rows (``where(onehot, logp, 0).sum(1)``: one non-zero term, the gather's value) read in the
+    log-softmax's kernel, not a gather: in the whole GPT's graph on the GPU some late kernel read
+    every chunk's logits (the 13 bf16 chunks of the 125M step, 1.6 GB, were all alive at its
+    peak; 16 blocks of [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather is what
+    Inductor can defer that way. Eagerly the chunk makes four passes over its fp32 logits (log-softmax,
     exp, scatter + scale, cast), fewer than the plain path's forward and backward; both forms
     give the same bits. Without gradients (validation) only the loss is computed, chunk by
     chunk.
@@ -86,15 +91,23 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: 
         logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         del logits
         tsafe = torch.where(vc, tc, 0).unsqueeze(1)
-        total = total - torch.where(vc, logp.gather(1, tsafe).squeeze(1), 0.0).sum()
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            # The target's log-probability as a row reduction of the chunk's own kernel, not a
+            # gather that a later kernel may do for every chunk at once (keeping every chunk's
+            # logits alive until then): the same value, one non-zero term ([Note: chunked loss])
+            hit = (torch.arange(logp.shape[1], device=logp.device) == tsafe) & vc.unsqueeze(1)
+            picked = torch.where(hit, logp, 0.0).sum(1)
+        else:
+            picked = torch.where(vc, logp.gather(1, tsafe).squeeze(1), 0.0)
+        total = total - picked.sum()
         if not (need_dx or need_dw):
             continue
         # dL/dlogits = (softmax - onehot) / count on valid rows
         coef = vc.unsqueeze(1).to(torch.float32) / count
-        if torch.compiler.is_compiling():
+        if compiling:
             # One pointwise expression: Inductor writes the 16-bit gradient straight from the
             # logits and their row statistics, with no fp32 chunk in memory ([Note: chunked loss])
-            hit = (torch.arange(logp.shape[1], device=logp.device) == tsafe) & vc.unsqueeze(1)
             g = ((logp.exp() - hit.to(torch.float32)) * coef).to(dtype)
         else:  # in place: one fp32 chunk alive, the same bits (p + -1.0 is p - 1.0; p + -0.0 is p)
             p = logp.exp_()

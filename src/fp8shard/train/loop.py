@@ -164,9 +164,6 @@ class Trainer:
             compile_model(self.model, self.recipe if m.fp8 else None, self.compile_scope, t.compile_backend,
                           t.compile_mode)
         self.cuda_graphs = self.compiled and t.compile_mode == "reduce-overhead"
-        if self.cuda_graphs and m.fp8:
-            notes.append("warning: trainer.compile_mode=reduce-overhead with FP8 is unmeasured: the 125M FP8 "
-                         "run did not end step 1 in 105 s on an H100 (docs/benchmarks.md); default: measured")
         # [Note: compiled first call] (after any resume: a loaded history needs no first call)
         self.eager_first_call = (self.compiled and self.amax_sync is not None
                                  and self.amax_sync.first_call_pending())
