@@ -34,10 +34,11 @@
     rows (``where(onehot, logp, 0).sum(1)``: one non-zero term, the gather's value) read in the
     log-softmax's kernel, not a gather: in the whole GPT's graph on the GPU some late kernel read
     every chunk's logits (the 13 bf16 chunks of the 125M step, 1.6 GB, were all alive at its
-    peak; 16 blocks of [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather is what
-    Inductor can defer that way. Eagerly the chunk makes four passes over its fp32 logits (log-softmax,
-    exp, scatter + scale, cast), fewer than the plain path's forward and backward; both forms
-    give the same bits. Without gradients (validation) only the loss is computed, chunk by
+    peak; 16 blocks of [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather that feeds
+    the running loss is a read Inductor may leave to such a kernel (the suspect, not yet confirmed
+    on a GPU: docs/performance.md, section 10). Eagerly the chunk makes four passes over its
+    fp32 logits (log-softmax, exp, scatter + scale, cast), fewer than the plain path's forward
+    and backward; both forms give the same bits. Without gradients (validation) only the loss is computed, chunk by
     chunk.
 """
 
