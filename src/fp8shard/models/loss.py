@@ -38,8 +38,8 @@
     the running loss is a read Inductor may leave to such a kernel (the suspect, not yet confirmed
     on a GPU: docs/performance.md, section 10). Eagerly the chunk makes four passes over its
     fp32 logits (log-softmax, exp, scatter + scale, cast), fewer than the plain path's forward
-    and backward; both forms give the same bits. Without gradients (validation) only the loss is computed, chunk by
-    chunk.
+    and backward; both forms give the same bits. Without gradients (validation) only the loss
+    is computed, chunk by chunk.
 """
 
 from __future__ import annotations
