@@ -32,10 +32,10 @@
     H100 kept every chunk's fp32 buffer alive at once: 13 x 246 MB at 125M, the whole fp32
     logits, 2026-12-07.) The target's log-probability is there a reduction over the chunk's
     rows (``where(onehot, logp, 0).sum(1)``: one non-zero term, the gather's value) read in the
-    log-softmax's kernel, not a gather: in the whole GPT's graph on the GPU some late kernel read
-    every chunk's logits (the 13 bf16 chunks of the 125M step, 1.6 GB, were all alive at its
-    peak; 16 blocks of [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather that feeds
-    the running loss is a read Inductor may leave to such a kernel (the suspect, not yet confirmed
+    log-softmax's kernel, not a gather: in the whole GPT's graph on the GPU every chunk's bf16
+    logits were alive at once at the step's peak (13 chunks, 1.6 GB, at 125M; 16 blocks of
+    [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather that feeds the running loss is
+    a read Inductor may leave to one late kernel for all chunks (the suspect, not yet confirmed
     on a GPU: docs/performance.md, section 10). Eagerly the chunk makes four passes over its
     fp32 logits (log-softmax, exp, scatter + scale, cast), fewer than the plain path's forward
     and backward; both forms give the same bits. Without gradients (validation) only the loss
