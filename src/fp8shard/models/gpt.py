@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from fp8shard.models.loss import linear_cross_entropy
 from fp8shard.models.shape import TransformerShape
 from fp8shard.nn import Linear
+from fp8shard.nn.linear import dequantize_weights
 
 
 @dataclasses.dataclass
@@ -103,16 +105,18 @@ class Attention(nn.Module):
         self.qkv = Linear(*reversed(shapes["qkv"]), bias=cfg.bias)
         self.proj = Linear(*reversed(shapes["proj"]), bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                weights: Sequence[torch.Tensor | None] = (None, None)) -> torch.Tensor:
+        """``weights``: Wᵀ of qkv and proj dequantized, or None ([Note: grouped dequantize])."""
         b, t, c = x.shape
         h, d = self.cfg.num_attention_heads, self.cfg.head_dim
         # (B, T, 3C) -> 3 x (B, H, T, D)
-        q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.qkv(x, weights[0]).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
         p = self.cfg.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, c), weights[1])
 
 
 class MLP(nn.Module):
@@ -125,14 +129,15 @@ class MLP(nn.Module):
         self.fc1 = Linear(*reversed(shapes["fc1"]), bias=cfg.bias)
         self.fc2 = Linear(*reversed(shapes["fc2"]), bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+    def forward(self, x: torch.Tensor, weights: Sequence[torch.Tensor | None] = (None, None)) -> torch.Tensor:
+        """``weights``: Wᵀ of fc1 and fc2 dequantized, or None ([Note: grouped dequantize])."""
+        h = self.fc1(x, weights[0])
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+        return self.fc2(h, weights[1])
 
 
 class Block(nn.Module):
@@ -147,8 +152,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x), rotary))
-        return x + self.dropout(self.mlp(self.norm2(x)))
+        # The block's FP8-stored weights that compute in bf16, in one kernel under compile.
+        w = dequantize_weights((self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2))
+        x = x + self.dropout(self.attn(self.norm1(x), rotary, w[:2]))
+        return x + self.dropout(self.mlp(self.norm2(x), w[2:]))
 
 
 class GPT(nn.Module):

@@ -17,8 +17,11 @@ tensor of the weight's nominal dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
@@ -177,6 +180,90 @@ class _LinearFromFp8Weight(torch.autograd.Function):
         return dx, dw, db
 
 
+# [Note: grouped dequantize]
+#     Under torch.compile a layer that computes in high precision from an FP8-stored weight
+#     (``_LinearFromFp8Weight``) costs one small kernel to dequantize its weight in the forward
+#     and one in the backward. In a GPT whose four projections all do so (the 125M GPT under
+#     ``model.fp8_layers=auto``) that is 96 launches a step more than the bf16 model, and the
+#     step is host-bound there (docs/performance.md, section 10). ``dequantize_weights`` takes
+#     the layers of one block and, while compiling, dequantizes their per-tensor FP8 weights
+#     together: one ``torch.cat`` of the four dequantized weights, which Inductor lowers to one
+#     kernel (a pointwise cat: up to 8 inputs), inside an activation checkpoint, so that the
+#     backward recomputes the cat from the bytes instead of keeping the 16-bit copies (without
+#     the checkpoint the partitioner saves them: 2 B per weight). The checkpointed region
+#     returns Wᵀ and each layer multiplies by it directly (``Linear.forward(x, dequantized_t=...)``,
+#     ``_linear_t``: the addmm / mm that ``F.linear`` runs): given W and calling ``F.linear``,
+#     the partitioner saved the transpose made outside the region. Same bits as the per-layer
+#     path (tested: no 16-bit weight saved, one cat per block forward and backward), and the
+#     weight's gradient reaches the ``Float8Tensor`` through ``_DequantizeGroup``'s identity
+#     backward. Eager calls keep the per-layer path (the checkpoint would only add work there).
+
+
+class _DequantizeGroup(torch.autograd.Function):
+    """The per-tensor FP8 weights ``ws`` dequantized to ``dtype``, as one flat buffer split per
+    weight ([Note: grouped dequantize]); the gradient of each goes to its weight as is (the
+    value of a ``Float8Tensor`` is its dequantized value), in the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *ws: Float8Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.weights = [(w.shape, w.dtype) for w in ws]
+        flat = torch.cat([w.dequantize(dtype).reshape(-1) for w in ws])
+        return flat.split([w.numel() for w in ws])
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, *(None if g is None else g.view(s).to(d)
+                        for g, (s, d) in zip(grads, ctx.weights, strict=True)))
+
+
+def _transposed_weights(dtype: torch.dtype, *ws: Float8Tensor) -> list[torch.Tensor]:
+    """Wᵀ of each of ``ws`` in ``dtype``: the checkpointed region ([Note: grouped dequantize])."""
+    return [v.view(w.shape).t() for v, w in zip(_DequantizeGroup.apply(dtype, *ws), ws, strict=True)]
+
+
+def _linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, wt.t(), bias)`` as ATen computes it (``addmm`` / ``mm`` on the rows of x),
+    with ``wt`` itself the GEMM's operand: no transpose of the weight outside the checkpointed
+    region, which the partitioner would save for the backward."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2.mm(wt) if bias is None else torch.addmm(bias, x2, wt)
+    return y.view(*x.shape[:-1], wt.shape[1])
+
+
+def _dequantizes(layer: Linear, state: Fp8State | None) -> bool:
+    """Whether ``layer`` computes in high precision from a per-tensor FP8-stored weight."""
+    w = layer.weight
+    return isinstance(w, Float8Tensor) and w.block is None and (state is None or not layer.fp8_compute)
+
+
+def dequantize_weights(layers: Sequence[Linear]) -> list[torch.Tensor | None]:
+    """Wᵀ, dequantized, of each of ``layers`` that computes in high precision from a per-tensor
+    FP8-stored weight, computed together while compiling ([Note: grouped dequantize]); None for
+    the others, and for all of them eagerly or when fewer than two qualify. Pass each to its
+    layer: ``layer(x, dequantized_t=wt)``."""
+    out: list[torch.Tensor | None] = [None] * len(layers)
+    if not torch.compiler.is_compiling():
+        return out
+    state = current_fp8_state()
+    which = [i for i, layer in enumerate(layers) if _dequantizes(layer, state)]
+    if len(which) < 2:
+        return out
+    weights = [layers[i].weight for i in which]
+    # The dtype the GEMM runs in: the autocast's (F.linear would cast the weight to it), else the
+    # weights' own; one group per dtype is all a model has.
+    dtype = weights[0].dtype
+    device_type = weights[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    if any(w.dtype != weights[0].dtype for w in weights):
+        return out
+    wts = torch.utils.checkpoint.checkpoint(_transposed_weights, dtype, *weights, use_reentrant=False,
+                                            preserve_rng_state=False)
+    for i, wt in zip(which, wts, strict=True):
+        out[i] = wt
+    return out
+
+
 def _check_fp8_weight_dtype(dtype: torch.dtype | None) -> None:
     if dtype is not None and dtype not in _NOMINAL_DTYPES:
         raise TypeError(
@@ -248,7 +335,11 @@ class Linear(torch.nn.Linear):
             weight.set_high_precision_init_val(hp)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dequantized_t: torch.Tensor | None = None) -> torch.Tensor:
+        """``dequantized_t``: Wᵀ of this layer's FP8-stored weight as ``dequantize_weights`` gave
+        it ([Note: grouped dequantize]); the layer computes ``F.linear``'s ops with it."""
+        if dequantized_t is not None:
+            return _linear_t(x, dequantized_t, self.bias)
         state = current_fp8_state()
         if state is None or not self.fp8_compute:
             if isinstance(self.weight, Float8Tensor):
