@@ -241,3 +241,64 @@ def test_compiled_target_pick_is_a_row_reduction_not_a_gather():
                 and str(n.target) == "aten.sum.dim_IntList" and list(n.args[1]) == [1]
                 and tuple(n.meta["val"].shape) == (n.args[0].meta["val"].shape[0],)]
     assert len(row_sums) == chunks
+
+
+def test_compiled_chunks_free_their_gradient_before_the_next_chunk():
+    """Inductor's forward of the chunked loss runs each chunk's dW accumulation (one opaque op
+    into the fp32 accumulator) before the next chunk's logits GEMM, and joins no dx in the
+    forward: a join there was a buffer every chunk's dx GEMM wrote into, which on the GPU moved
+    those GEMMs, and so every chunk's 16-bit gradient, after the last chunk ([Note: chunked loss])."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, w, t = _case(torch.float32, seed=7)
+    fn = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c, chunk_tokens=32))
+
+    def step():
+        x.grad = w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(x, w, t)
+        loss.backward()
+
+    _, codes = run_and_get_code(step)
+    forward = codes[0][codes[0].find("def call"):]
+    calls = [line.strip() for line in forward.splitlines() if not line.strip().startswith("#")]
+    events = ["acc" if c.startswith("torch.ops.fp8shard.accumulate_mm_") else "mm" for c in calls
+              if c.startswith(("torch.ops.fp8shard.accumulate_mm_", "extern_kernels.mm("))]
+    chunks = -(-N // 32)
+    # (The partitioner may leave the last chunk's accumulation to the backward: one chunk kept.)
+    assert events.count("acc") >= chunks - 1 and events.count("mm") == 2 * chunks, events
+    # Chunk k's accumulation comes before chunk k + 1's GEMMs: at most 2k GEMMs before it.
+    accs = [i for i, e in enumerate(events) if e == "acc"]
+    assert all(events[:i].count("mm") <= 2 * (k + 1) for k, i in enumerate(accs)), events
+    assert "write_rows_" not in forward and "cat" not in forward
+
+
+def test_accumulate_mm_on_cpu_is_the_eager_sum():
+    from fp8shard.models.loss import _accumulate_mm
+
+    g = torch.Generator().manual_seed(8)
+    acc = torch.randn(40, 24, generator=g)
+    a = torch.randn(40, 56, generator=g).bfloat16()
+    b = torch.randn(56, 24, generator=g).bfloat16()
+    want = acc + torch.mm(a, b)
+    _accumulate_mm(acc, a, b)
+    assert torch.equal(acc, want)
+
+
+@pytest.mark.gpu
+def test_accumulate_mm_on_cuda_adds_in_fp32():
+    """On CUDA the chunk's dW GEMM adds into the fp32 accumulator itself: no 16-bit product, so
+    it is closer to an fp64 sum than adding the bf16-rounded product (and the path is not a
+    silent fallback)."""
+    from fp8shard.models.loss import _accumulate_mm
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    acc = torch.randn(256, 128, device="cuda", generator=g)
+    a = torch.randn(256, 512, device="cuda", generator=g).bfloat16()
+    b = torch.randn(512, 128, device="cuda", generator=g).bfloat16()
+    exact = acc.double() + a.double() @ b.double()
+    rounded = acc + torch.mm(a, b)
+    _accumulate_mm(acc, a, b)
+    err_fp32 = (acc.double() - exact).abs().max().item()
+    err_bf16 = (rounded.double() - exact).abs().max().item()
+    assert err_fp32 < err_bf16 / 8, (err_fp32, err_bf16)

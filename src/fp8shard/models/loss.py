@@ -32,14 +32,20 @@
     H100 kept every chunk's fp32 buffer alive at once: 13 x 246 MB at 125M, the whole fp32
     logits, 2026-12-07.) The target's log-probability is there a reduction over the chunk's
     rows (``where(onehot, logp, 0).sum(1)``: one non-zero term, the gather's value) read in the
-    log-softmax's kernel, not a gather: in the whole GPT's graph on the GPU every chunk's bf16
-    logits were alive at once at the step's peak (13 chunks, 1.6 GB, at 125M; 16 blocks of
-    [2048, 32768], 2 GB, at 1.3B; H200, 2026-12-07), and a gather that feeds the running loss is
-    a read Inductor may leave to one late kernel for all chunks (the suspect, not yet confirmed
-    on a GPU: docs/performance.md, section 10). Eagerly the chunk makes four passes over its
-    fp32 logits (log-softmax, exp, scatter + scale, cast), fewer than the plain path's forward
-    and backward; both forms give the same bits. Without gradients (validation) only the loss
-    is computed, chunk by chunk.
+    log-softmax's kernel, not a gather (the pick's value, with one kernel fewer reading the
+    chunk). What kept every chunk alive at the step's peak on the GPU (13 bf16 gradient chunks,
+    1.6 GB, at 125M; 7 of [2048, 32768], 0.9 GB, at 1.3B; H200, 2026-12-07, read in Inductor's
+    code of that run) was the end of the loop: dx was joined with ``torch.cat``, which Inductor
+    made a buffer that every chunk's dx GEMM writes into, and those GEMMs went after it, to the
+    end; and the dW sum became one kernel after the last chunk reading every chunk's 16-bit dW.
+    So dx is written into its rows by an opaque op (``write_rows_``; the partitioner keeps the
+    small per-chunk products for the backward and joins them there) and each chunk's dW is
+    added to the fp32 accumulator by another (``accumulate_mm_``; on CUDA the GEMM adds in fp32
+    itself, cuBLAS with beta = 1), which Inductor runs in the chunk's place (tested on the CPU's
+    Inductor: each chunk's accumulation before the next chunk's GEMMs). Eagerly the chunk makes
+    four passes over its fp32 logits (log-softmax, exp, scatter + scale, cast), fewer than the
+    plain path's forward and backward; both forms give the same bits. Without gradients
+    (validation) only the loss is computed, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -82,7 +88,10 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: 
     valid = targets != ignore_index
     count = valid.sum().to(torch.float32)  # all ignored: 0/0 = nan, as F.cross_entropy
     total = torch.zeros((), dtype=torch.float32, device=x.device)
-    dx_parts: list[torch.Tensor] = []
+    # dx is written chunk by chunk into one buffer made first (not joined after the last chunk:
+    # Inductor's join is a buffer that every chunk's GEMM writes into, which on the GPU moved
+    # those GEMMs, and so every chunk's gradient, after the last chunk; [Note: chunked loss])
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
     for s in range(0, x.shape[0], rows):
         xc, tc, vc = x[s:s + rows], targets[s:s + rows], valid[s:s + rows]
@@ -117,15 +126,59 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: 
             del p
         del logp
         if need_dx:
-            dx_parts.append(torch.mm(g, weight))
+            assert dx is not None
+            _write_rows(dx, s, torch.mm(g, weight))
         if need_dw:
             assert dw is not None
-            if g.dtype == dw.dtype:
-                dw.addmm_(g.t(), xc)
-            else:
-                dw.add_(torch.mm(g.t(), xc))
-    dx = torch.cat(dx_parts) if need_dx else None
+            dw = _accumulate_dw(dw, g, xc)
     return total / count, dx, dw
+
+
+@torch.library.custom_op("fp8shard::write_rows_", mutates_args=("out",))
+def _write_rows(out: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """``out[start:start + len(rows)] = rows``, as one opaque op that runs where the chunk is
+    ([Note: chunked loss])."""
+    out.narrow(0, start, rows.shape[0]).copy_(rows)
+
+
+@_write_rows.register_fake
+def _(out: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("fp8shard::accumulate_mm_", mutates_args=("acc",))
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for a 16-bit GEMM into an fp32 accumulator, as one opaque op: under
+    compile, the sum of the chunks' dW otherwise becomes one kernel after the last chunk, which
+    keeps every chunk's dW (or the gradients it is made from) alive until then ([Note: chunked
+    loss]). On CUDA the GEMM adds into ``acc`` in fp32 itself (cuBLAS, beta = 1: no 16-bit
+    product, one rounding fewer); elsewhere, or where that GEMM is missing, the 16-bit product
+    is added (the eager path's bits)."""
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # torch without the fp32-output GEMM: the eager form
+            pass
+    acc.add_(torch.mm(a, b))
+
+
+@_accumulate_mm.register_fake
+def _(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
+def _accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> torch.Tensor:
+    """``dw += g.t() @ xc`` with ``dw`` fp32 ([Note: chunked loss])."""
+    if g.dtype == dw.dtype:
+        return dw.addmm_(g.t(), xc)
+    if torch.compiler.is_compiling():
+        _accumulate_mm(dw, g.t(), xc)
+        return dw
+    if g.is_cuda:
+        _accumulate_mm(dw, g.t(), xc)  # the compiled path's numerics
+        return dw
+    return dw.add_(torch.mm(g.t(), xc))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
