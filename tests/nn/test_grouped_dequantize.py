@@ -153,3 +153,22 @@ def test_compiled_inductor_gpt_with_grouped_weights_trains_like_eager():
     torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
     for (k, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=5e-2, atol=5e-3, msg=k)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpt_with_its_linears_swapped_for_torch_nn_linear_runs(compiled):
+    """The blocks pass a dequantized weight only to a layer that takes one: a GPT whose Linears
+    were swapped for torch.nn.Linear (as the DDP and torchao peers do) runs as before."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    for block in model.blocks:
+        for parent, name in ((block.attn, "qkv"), (block.attn, "proj"),
+                             (block.mlp, "fc1"), (block.mlp, "fc2")):
+            old = getattr(parent, name)
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+            setattr(parent, name, new)
+    idx, tgt = _batch()
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    loss = run(idx, tgt)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[0].attn.qkv.weight.grad is not None

@@ -111,12 +111,18 @@ class Attention(nn.Module):
         b, t, c = x.shape
         h, d = self.cfg.num_attention_heads, self.cfg.head_dim
         # (B, T, 3C) -> 3 x (B, H, T, D)
-        q, k, v = self.qkv(x, weights[0]).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = _linear(self.qkv, x, weights[0]).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
         p = self.cfg.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c), weights[1])
+        return _linear(self.proj, y.transpose(1, 2).reshape(b, t, c), weights[1])
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, dequantized_t: torch.Tensor | None) -> torch.Tensor:
+    """``layer(x)``, given its dequantized Wᵀ when there is one ([Note: grouped dequantize]); a
+    layer swapped for another Linear class (``nn.Linear``, torchao's) is called as it expects."""
+    return layer(x) if dequantized_t is None else layer(x, dequantized_t)
 
 
 class MLP(nn.Module):
@@ -131,13 +137,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: Sequence[torch.Tensor | None] = (None, None)) -> torch.Tensor:
         """``weights``: Wᵀ of fc1 and fc2 dequantized, or None ([Note: grouped dequantize])."""
-        h = self.fc1(x, weights[0])
+        h = _linear(self.fc1, x, weights[0])
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.fc2(h, weights[1])
+        return _linear(self.fc2, h, weights[1])
 
 
 class Block(nn.Module):

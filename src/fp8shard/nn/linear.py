@@ -232,8 +232,9 @@ def _linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> t
 
 def _dequantizes(layer: Linear, state: Fp8State | None) -> bool:
     """Whether ``layer`` computes in high precision from a per-tensor FP8-stored weight."""
-    w = layer.weight
-    return isinstance(w, Float8Tensor) and w.block is None and (state is None or not layer.fp8_compute)
+    w = getattr(layer, "weight", None)
+    return (isinstance(layer, Linear) and isinstance(w, Float8Tensor) and w.block is None
+            and (state is None or not layer.fp8_compute))
 
 
 def dequantize_weights(layers: Sequence[Linear]) -> list[torch.Tensor | None]:
