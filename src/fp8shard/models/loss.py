@@ -151,16 +151,13 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` for a 16-bit GEMM into an fp32 accumulator, as one opaque op: under
     compile, the sum of the chunks' dW otherwise becomes one kernel after the last chunk, which
     keeps every chunk's dW (or the gradients it is made from) alive until then ([Note: chunked
-    loss]). On CUDA the GEMM adds into ``acc`` in fp32 itself (cuBLAS, beta = 1: no 16-bit
-    product, one rounding fewer); elsewhere, or where that GEMM is missing, the 16-bit product
-    is added (the eager path's bits)."""
+    loss]). On CUDA the GEMM adds into ``acc`` in fp32 itself (cuBLAS, beta = 1, torch >= 2.8:
+    no 16-bit product, one rounding fewer); elsewhere the 16-bit product is added (the CPU's
+    eager bits)."""
     if a.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except (RuntimeError, TypeError):  # torch without the fp32-output GEMM: the eager form
-            pass
-    acc.add_(torch.mm(a, b))
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
 
 
 @_accumulate_mm.register_fake
@@ -172,11 +169,8 @@ def _accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> torch
     """``dw += g.t() @ xc`` with ``dw`` fp32 ([Note: chunked loss])."""
     if g.dtype == dw.dtype:
         return dw.addmm_(g.t(), xc)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or g.is_cuda:  # eager CUDA too: the compiled path's numerics
         _accumulate_mm(dw, g.t(), xc)
-        return dw
-    if g.is_cuda:
-        _accumulate_mm(dw, g.t(), xc)  # the compiled path's numerics
         return dw
     return dw.add_(torch.mm(g.t(), xc))
 
