@@ -28,6 +28,7 @@ from fp8shard.optim.flat import FlatEngine
 from fp8shard.optim.fp8_weights import Fp8WeightScaler
 from fp8shard.optim.fsdp2 import FSDP2Adam, FSDP2Engine
 from fp8shard.optim.fused_step import ReferenceKernel
+from fp8shard.optim.step_kernel import StepGrads
 from tests.conftest import pools_fixture
 from tests.optim.dist_cases import TINY_BUCKET_MB, TinyMixed, batch
 
@@ -51,7 +52,7 @@ class DenseKernel(ReferenceKernel):
     def local_amax(self) -> torch.Tensor:
         return torch.zeros(0)
 
-    def cast(self, scales: torch.Tensor | None) -> None:
+    def cast(self, scales: torch.Tensor | None, grads: StepGrads) -> None:
         for p, m in zip(self.params, self.masters, strict=True):
             p.data.copy_(m.view(p.shape))
 
@@ -76,7 +77,7 @@ class DenseEngine:
     def finish_grad_reduction(self) -> bool:
         return any(p.grad is not None for p in self.params)
 
-    def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
+    def launch_gathers(self, scale_inv: torch.Tensor | None, apply: torch.Tensor | None = None) -> None:
         pass
 
     def wait_gathers(self) -> None:

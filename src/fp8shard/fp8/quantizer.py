@@ -223,10 +223,13 @@ class Quantizer(Protocol):
         """``stats`` MAX-reduced over ``group`` in place (no-op without a process group)."""
         ...
 
-    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None,
+               apply: torch.Tensor | None = None) -> torch.Tensor:
         """The recipe's rule: fp32 scales from the (reduced) ``stats``, elementwise, so a packed
         vector of several tensors' stats gives their scales in one call. ``prev``: the scales in
-        use, which the per-tensor rule keeps where an amax is zero or non-finite."""
+        use, which the per-tensor rule keeps where an amax is zero or non-finite. ``apply``: a
+        0-d bool tensor; where False a quantizer that keeps state (an amax history) leaves it as
+        it was (the optimizer's step skipped on the device, [Note: skip on the device])."""
         ...
 
     def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,
@@ -287,7 +290,9 @@ class TensorwiseQuantizer:
     def reduce(self, stats: torch.Tensor, group: Any = None) -> torch.Tensor:
         return _reduce_max(stats, group)
 
-    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None,
+               apply: torch.Tensor | None = None) -> torch.Tensor:
+        # no state to keep (apply): the caller keeps its scales where the step is skipped
         # fmt.max a Python float: ``float / tensor`` is what Float8Tensor.quantize divides by
         return scale_from_amax(stats, fmt.max, prev)  # [Note: scale]
 
@@ -337,12 +342,18 @@ class DelayedTensorwiseQuantizer(TensorwiseQuantizer):
                  device: torch.device | str | None = None) -> None:
         self.history = AmaxHistory(n, recipe, torch.full((n,), fmt.max), device=device)
 
-    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None,
+               apply: torch.Tensor | None = None) -> torch.Tensor:
         h = self.history
         if prev is not None:
             h.scale = prev
+        before = (h.history.clone(), h.scale) if apply is not None else None
         torch.maximum(h.history[0], stats, out=h.history[0])
-        return h.update()
+        new = h.update()
+        if before is not None:  # a step skipped on the device: the window and scales stay
+            h.history = torch.where(apply, h.history, before[0])
+            h.scale = new = torch.where(apply, new, before[1])
+        return new
 
     def state(self, col: int) -> dict[str, torch.Tensor]:
         """Tensor ``col``'s amax history (its checkpoint entry beside the scale)."""
@@ -476,28 +487,38 @@ class WeightQuantizers:
         casts in its Adam pass when they are known ([Note: fused step])."""
         return self.scale if self._ahead else None
 
-    def cast_scales(self, global_amax: torch.Tensor) -> torch.Tensor:
+    def cast_scales(self, global_amax: torch.Tensor, apply: torch.Tensor | None = None) -> torch.Tensor:
         """The scales to cast this step's master with (and advance the scaling state): every
         group's quantizer's ``scales`` from the reduced stats, the scales in use as ``prev``.
-        Delayed: the cast uses the scales from before; the new ones serve the next step."""
+        Delayed: the cast uses the scales from before; the new ones serve the next step.
+        ``apply`` (0-d bool): where False the scaling state stays as it was ([Note: skip on the
+        device]; the cast that would use the returned scales writes nothing then)."""
         new = self.scale.clone()
         for g in self.groups:
-            new[g.slots] = g.quantizer.scales(global_amax[g.slots], g.fmt, self.scale[g.slots])
+            new[g.slots] = g.quantizer.scales(global_amax[g.slots], g.fmt, self.scale[g.slots], apply=apply)
+        if apply is not None:
+            new = torch.where(apply, new, self.scale)
         used = self.scale if self._ahead else new
         self.scale = new
         return used
 
-    def set_scale_inv(self, params: dict[int, Float8Tensor], scale_inv: torch.Tensor) -> None:
+    def set_scale_inv(self, params: dict[int, Float8Tensor], scale_inv: torch.Tensor,
+                      apply: torch.Tensor | None = None) -> None:
         """Give ``params`` (their bytes just gathered) their slots of ``scale_inv`` (the inverse
-        of ``cast_scales``'s result) in one batched copy, and drop their cached transposes."""
+        of ``cast_scales``'s result) in one batched copy, and drop their cached transposes.
+        ``apply`` (0-d bool): where False each keeps its own (the step was skipped on the device
+        and its bytes did not change, [Note: skip on the device])."""
         key = tuple(params)
         hit = self._ready.get(key)
         if hit is None:
             spans = [self.span[i] for i in key]
             idx = torch.cat([torch.arange(s, s + k) for s, k in spans]).to(scale_inv.device)
             hit = self._ready[key] = (idx, [k for _, k in spans])
-        new = scale_inv.index_select(0, hit[0]).split(hit[1])
         dst = [p._scale_inv for p in params.values()]
+        picked = scale_inv.index_select(0, hit[0])
+        if apply is not None:
+            picked = torch.where(apply, picked, torch.cat([d.reshape(-1).float() for d in dst]))
+        new = picked.split(hit[1])
         torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new, dst, strict=True)])
         for p in params.values():
             p.mark_bytes_changed()  # drops the cached transpose (TE 1596)

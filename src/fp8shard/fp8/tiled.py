@@ -115,7 +115,9 @@ class _TiledQuantizer:
     def reduce(self, stats: torch.Tensor, group: Any = None) -> torch.Tensor:
         return _reduce_max(stats, group)
 
-    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def scales(self, stats: torch.Tensor, fmt: Fp8Format, prev: torch.Tensor | None = None,
+               apply: torch.Tensor | None = None) -> torch.Tensor:
+        # no state to keep (apply): the caller keeps its scales where the step is skipped
         return tile_scales(stats, Fp8Format.parse(fmt), self.power_of_2_scales)  # no previous scale
 
     def cast_scaled(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, kind: OperandKind,

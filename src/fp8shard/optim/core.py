@@ -50,8 +50,9 @@ class ShardedAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._frozen = True
         self.adam_w_mode = adam_w_mode
-        self.last_step_skipped = False
-        self._step = 0
+        self._last_skipped = False
+        self._steps = 0
+        self._pending: StepGrads | None = None  # a step decided on the device, not yet read
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self.device = _check_params(self._params)
@@ -76,19 +77,66 @@ class ShardedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_unchanged()
+        self._settle()
         self.engine.begin_step()
         grads = self._finish_grad_reduction()
         # [Note: step without gradients]: nothing to apply, so nothing changes (torch.optim skips
         # parameters whose .grad is None; here the shards are shared, so it is all or nothing).
-        self.last_step_skipped = grads.nonfinite or not grads.any_grad
-        if not self.last_step_skipped:
-            self._step += 1
-            scale_inv = self._update_and_cast(grads)
-            self.engine.launch_gathers(scale_inv)
+        if self.engine.kernel.decides_on_device:  # [Note: skip on the device]
+            self._steps += 1
+            self.engine.launch_gathers(self._update_and_cast(grads), grads.apply)
+            self._pending = grads
+        else:
+            self._last_skipped = _host_skip(grads)
+            if not self._last_skipped:
+                self._steps += 1
+                self.engine.launch_gathers(self._update_and_cast(grads))
         self._grads = None
         self.engine.reset_grads()  # the gradients are consumed; next backward starts from zero
         self._last_comm = self.engine.close_comm_window()
         return loss
+
+    # [Note: skip on the device]
+    #     Whether a step applies (a finite gradient norm, some gradient at all: [Note: step
+    #     without gradients]) is known on the device only after the backward. Reading it on the
+    #     host mid-``step()`` makes the host wait for the whole backward, and then the GPU waits
+    #     for the host to launch the step's kernels one by one (the 125M GPT on an H200 was
+    #     host-bound there: docs/performance.md). So with a kernel that ``decides_on_device``
+    #     (``FusedKernel``) the step never reads it: the flag (``StepGrads.apply``) goes to the
+    #     kernels, which write nothing where it is False; the scaling state and the weights'
+    #     scales are kept by ``torch.where`` on it; the gathers move the unchanged bytes. The
+    #     host counts the step and learns the decision later (a copy to pinned memory made with
+    #     the flag): at the next ``step()``, or when ``last_step_skipped``, the step count or a
+    #     checkpoint is read (``_settle``), when that copy has long finished; a skipped step is
+    #     then taken back from the count before any later step uses it. A skipped step
+    #     leaves every byte of master, moments, weights, scales and amax history as it was, on
+    #     either path (tested). Other kernels read the flag on the host first, as before.
+
+    def _settle(self) -> None:
+        """Read the decision of a step taken on the device ([Note: skip on the device])."""
+        grads, self._pending = self._pending, None
+        if grads is not None:
+            self._last_skipped = _host_skip(grads)
+            if self._last_skipped:
+                self._steps -= 1
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` changed nothing (a non-finite gradient, or no gradient at
+        all). On CUDA with the fused step this waits for that step's decision (a host sync)."""
+        self._settle()
+        return self._last_skipped
+
+    @property
+    def _step(self) -> int:
+        """Steps applied so far (the bias correction's t of the last one)."""
+        self._settle()
+        return self._steps
+
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self._settle()
+        self._steps = value
 
     def _finish_grad_reduction(self) -> StepGrads:
         """Phase 1: finish the gradient reduction and take this rank's shards with their global
@@ -115,8 +163,15 @@ class ShardedAdam(torch.optim.Optimizer):
             local[0] = engine.kernel.grad_sumsq(shards)
             local[1] = float(any_here)
             engine.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
-            sumsq, ranks_with_grads = local.tolist()  # one host sync for both
-            self._grads = StepGrads(shards, local[0], not math.isfinite(sumsq), ranks_with_grads > 0)
+            apply = torch.isfinite(local[0]) & (local[1] > 0)
+            ready = None
+            stats = local
+            if local.is_cuda:  # read on the host later, without waiting ([Note: skip on the device])
+                stats = torch.empty(2, dtype=torch.float32, pin_memory=True)
+                stats.copy_(local, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            self._grads = StepGrads(shards, local[0], apply, stats, ready)
         return self._grads
 
     def _update_and_cast(self, grads: StepGrads) -> torch.Tensor | None:
@@ -130,9 +185,9 @@ class ShardedAdam(torch.optim.Optimizer):
             amax = kernel.local_amax()
             if fp8.reduced_slots:  # FSDP2: tiles whole on this rank stay out ([Note: FSDP2 tiled weights])
                 self.engine.group.all_reduce(amax[:fp8.reduced_slots], "max", kind="all_reduce.amax")
-            scales = fp8.cast_scales(amax)
+            scales = fp8.cast_scales(amax, grads.apply if kernel.decides_on_device else None)
             scale_inv = scales.reciprocal()
-        kernel.cast(scales)
+        kernel.cast(scales, grads)
         return scale_inv
 
     def _hyperparams(self) -> list[AdamScalars]:
@@ -173,8 +228,11 @@ class ShardedAdam(torch.optim.Optimizer):
                                  f"{max_norm}: a negative or NaN bound would flip or poison the gradients")
         grads = self._finish_grad_reduction()
         total = grads.sumsq.sqrt()
-        if not grads.nonfinite:
-            self.engine.kernel.clip_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        kernel = self.engine.kernel
+        # A kernel deciding on the device records the coefficient, never applied to a step that
+        # skips; the others scale now, so only a finite norm may reach them (a host read).
+        if kernel.decides_on_device or math.isfinite(_host_stats(grads)[0]):
+            kernel.clip_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -260,6 +318,22 @@ class ShardedAdam(torch.optim.Optimizer):
                 "lays out its shards once: build a new optimizer for the new parameters")
         for g in self.param_groups:
             _check_hparams(g)
+
+
+def _host_stats(grads: StepGrads) -> tuple[float, float]:
+    """(sum of squares, ranks with a gradient) read on the host: on CUDA this waits for their
+    copy (and what was queued before it), not for what was queued after."""
+    if grads.ready is not None:
+        grads.ready.synchronize()
+    sumsq, ranks = grads.stats.tolist()
+    return sumsq, ranks
+
+
+def _host_skip(grads: StepGrads) -> bool:
+    """``not grads.apply``, read on the host: a non-finite sum of squares (an inf or NaN on any
+    rank, or a square past fp32), or no rank with a gradient ([Note: step without gradients])."""
+    sumsq, ranks = _host_stats(grads)
+    return not math.isfinite(sumsq) or ranks == 0
 
 
 def _check_hparams(group: dict[str, Any]) -> None:

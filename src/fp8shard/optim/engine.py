@@ -57,8 +57,10 @@ class Engine(Protocol):
     def finish_grad_reduction(self) -> bool:
         """Wait for the gradient reduction; whether this rank received any gradient."""
 
-    def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
-        """Hand the new bytes to the weights, with the FP8 parameters' new ``scale_inv`` per slot."""
+    def launch_gathers(self, scale_inv: torch.Tensor | None, apply: torch.Tensor | None = None) -> None:
+        """Hand the new bytes to the weights, with the FP8 parameters' new ``scale_inv`` per slot;
+        ``apply`` (0-d bool, a step decided on the device): where False the weights keep their
+        scales ([Note: skip on the device])."""
 
     def wait_gathers(self) -> None:
         """Finish every in-flight parameter gather (the weights are whole when it returns)."""

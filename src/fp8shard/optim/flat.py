@@ -256,6 +256,7 @@ class FlatEngine:
         fp8 = {i: p for i, p in enumerate(params) if isinstance(p, Float8Tensor)}
         self.fp8 = Fp8WeightScaler(fp8, fp8_weight_scaling, delayed_scaling, device)
         self._new_scale_inv = torch.zeros(self.fp8.num_slots, device=device)
+        self._new_apply: torch.Tensor | None = None
         self._init_master_and_attach()
         params_by_index = dict(enumerate(params))
         self.grad_sync = GradSync(self.regions, params_by_index, self.group, overlap_grad_sync)
@@ -303,11 +304,12 @@ class FlatEngine:
         self.grad_sync.finish()
         return self.grad_sync.dirty
 
-    def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
+    def launch_gathers(self, scale_inv: torch.Tensor | None, apply: torch.Tensor | None = None) -> None:
         """All-gather every bucket in place; wait unless ``overlap_param_sync``. The new scales
-        land on the FP8 weights as their buckets arrive (``_on_params_ready``)."""
+        land on the FP8 weights as their buckets arrive (``_on_params_ready``), where ``apply``
+        holds (a step skipped on the device gathers the same bytes and keeps the scales)."""
         if scale_inv is not None:
-            self._new_scale_inv = scale_inv
+            self._new_scale_inv, self._new_apply = scale_inv, apply
         self.param_sync.launch_all()
         if not self.overlap_param_sync:
             self.param_sync.wait_all()
@@ -318,7 +320,7 @@ class FlatEngine:
     def _on_params_ready(self, indices: list[int]) -> None:
         fp8 = {i: self.params[i] for i in indices if isinstance(self.params[i], Float8Tensor)}
         if fp8:  # one batched copy for all of them (a launch per parameter would cost host time)
-            self.fp8.set_scale_inv(fp8, self._new_scale_inv)
+            self.fp8.set_scale_inv(fp8, self._new_scale_inv, self._new_apply)
 
     def reset_grads(self) -> None:
         if self.grad_sync.dirty or self.grad_sync.handles:

@@ -176,7 +176,7 @@ class FSDP2Kernel(ReferenceKernel):
                 amax[start:start + k] = stats.reshape(-1)
         return amax
 
-    def cast(self, scales: torch.Tensor | None) -> None:
+    def cast(self, scales: torch.Tensor | None, grads: StepGrads) -> None:
         for i, p in enumerate(self.params):
             local = local_shard(p)  # read every step: FSDP2 may re-pad (replace) it at lazy init
             if not local.numel():
@@ -238,6 +238,8 @@ class FSDP2FusedKernel:
             start += n
         self._no_grad: dict[int, torch.Tensor] = {}  # zeros for a parameter that got no gradient
 
+    decides_on_device = False  # the optimizer reads the skip decision on the host first
+
     def grad_shards(self) -> list[torch.Tensor]:
         out = []
         for i, p in enumerate(self.params):
@@ -275,7 +277,7 @@ class FSDP2FusedKernel:
         out = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
         return out.scatter_reduce_(0, self._partial_slot, self._partial, reduce="amax")
 
-    def cast(self, scales: torch.Tensor | None) -> None:
+    def cast(self, scales: torch.Tensor | None, grads: StepGrads) -> None:
         """Kernel 2 on every FP8 shard (current scaling; delayed scaling cast in kernel 1)."""
         if self.fp8.known_scales() is not None or not self.partials:
             return
@@ -394,12 +396,12 @@ class FSDP2Engine:
         """FSDP2 reduce-scattered the gradients in backward; whether any parameter got one."""
         return any(p.grad is not None for p in self.params)
 
-    def launch_gathers(self, scale_inv: torch.Tensor | None) -> None:
-        """The new scales (or scale grid rows) onto the local FP8 shards; FSDP2 gathers the bytes
-        (and grid rows) at the next forward."""
+    def launch_gathers(self, scale_inv: torch.Tensor | None, apply: torch.Tensor | None = None) -> None:
+        """The new scales (or scale grid rows) onto the local FP8 shards (where ``apply`` holds);
+        FSDP2 gathers the bytes (and grid rows) at the next forward."""
         if self.fp8.slot:
             assert scale_inv is not None
-            self.fp8.set_scale_inv({i: local_shard(self.params[i]) for i in self.fp8.slot}, scale_inv)
+            self.fp8.set_scale_inv({i: local_shard(self.params[i]) for i in self.fp8.slot}, scale_inv, apply)
 
     def wait_gathers(self) -> None:
         """Nothing in flight after ``step()``."""

@@ -163,6 +163,8 @@ class ReferenceKernel:
         self.fp8 = scaler
         self.device = device
 
+    decides_on_device = False  # the optimizer reads the skip decision on the host first
+
     def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in shards:
@@ -340,6 +342,7 @@ def adam_tiles_(
     partial_amax: torch.Tensor | None = None,
     fused_reference: bool | None = None,
     triton: bool | None = None,
+    apply: torch.Tensor | None = None,
 ) -> None:
     """Kernel 1 on one region: Adam(W) on every tile, reading the gradient from ``rb.grad_buffer``.
 
@@ -350,6 +353,8 @@ def adam_tiles_(
     ``fused_reference`` is passed to ``adam_`` as ``fused`` on the reference path (None: its
     default, which is what the optimizer runs without Triton). ``triton``: run the Triton kernel
     (True) or the reference ops (False); None asks ``use_triton`` (the optimizer decides once).
+    ``apply``: a 0-d bool tensor; where False nothing is written (the Triton kernel reads it on
+    the device, the reference ops on the host), [Note: skip on the device] in core.py.
     """
     if out_mode in (OUT_AMAX, OUT_AMAX_CAST) and (partial_amax is None or not rb.is_fp8):
         raise ValueError("the amax modes are for FP8 regions and need partial_amax")
@@ -367,14 +372,17 @@ def adam_tiles_(
             triton_adam.launch_adam(
                 rb.master, rb.exp_avg, rb.exp_avg_sq, rb.grad_buffer, rb.param_buffer, table, t0, t1,
                 scalars[g], out_mode=out_mode, fmt=fmt, grad_scale=grad_scale, scale=scale,
-                partial_amax=partial_amax)
+                partial_amax=partial_amax, apply=apply)
+        return
+    if apply is not None and not bool(apply):
         return
     _adam_reference(rb, table, scalars, out_mode, grad_scale, scale, partial_amax, fused_reference)
 
 
-def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton: bool | None = None) -> None:
+def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton: bool | None = None,
+                apply: torch.Tensor | None = None) -> None:
     """Kernel 2 on one FP8 region: this rank's FP8 bytes from the master, ``scale[slot]`` per tile.
-    ``triton`` as for ``adam_tiles_``."""
+    ``triton`` and ``apply`` as for ``adam_tiles_``."""
     if not rb.is_fp8:
         raise ValueError("cast_tiles_ is for FP8 regions")
     if table.num_tiles == 0:
@@ -384,7 +392,9 @@ def cast_tiles_(rb: RegionBuffers, table: TileTable, scale: torch.Tensor, triton
     if use_triton(rb.master) if triton is None else triton:
         from fp8shard.optim import triton_adam
 
-        triton_adam.launch_cast(rb.master, rb.param_buffer, table, scale, fmt)
+        triton_adam.launch_cast(rb.master, rb.param_buffer, table, scale, fmt, apply=apply)
+        return
+    if apply is not None and not bool(apply):
         return
     _cast_reference(rb, table, scale, fmt)
 
@@ -459,7 +469,11 @@ class FusedKernel:
     The gradient is read in place from the bucket buffers (``grad_sync_dtype``, no fp32 copy);
     clipping records a coefficient that kernel 1 applies as it reads. Kernel 1 also writes the
     non-FP8 parameters, and with delayed scaling (scales known before the amax) the FP8 bytes.
+    Both kernels take the step's skip flag (``grads.apply``) and read it on the device
+    ([Note: skip on the device] in core.py).
     """
+
+    decides_on_device = True
 
     def __init__(self, regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
                  scaler: WeightQuantizers, block: int = DEFAULT_BLOCK) -> None:
@@ -496,15 +510,15 @@ class FusedKernel:
             else:
                 mode = OUT_PARAM
             adam_tiles_(rb, table, hps, out_mode=mode, grad_scale=grads.coef, scale=known,
-                        partial_amax=partial, triton=self.triton)
+                        partial_amax=partial, triton=self.triton, apply=grads.apply)
 
     def local_amax(self) -> torch.Tensor:
         return slot_amax(self.tables, self.partials, self.fp8.num_slots, self.device)
 
-    def cast(self, scales: torch.Tensor) -> None:
+    def cast(self, scales: torch.Tensor, grads: StepGrads) -> None:
         """Kernel 2 on every FP8 region (current scaling; delayed scaling cast in kernel 1)."""
         if self.fp8.known_scales() is not None:
             return
         for rb, table in zip(self.regions, self.tables, strict=True):
             if rb.is_fp8:
-                cast_tiles_(rb, table, scales, triton=self.triton)
+                cast_tiles_(rb, table, scales, triton=self.triton, apply=grads.apply)

@@ -25,7 +25,11 @@
       clip_(grads, coef)      apply a clipping coefficient (now, or as ``update`` reads the gradient)
       update(grads, hps)      Adam(W) on the master shards and states
       local_amax()            per FP8 slot, max |new master| over this rank's pieces
-      cast(scales)            this rank's shards of the parameters from the new master
+      cast(scales, grads)     this rank's shards of the parameters from the new master
+      decides_on_device       True: ``update`` and ``cast`` leave everything as it was where
+                              ``grads.apply`` is False, read on the device, so ``step()`` never
+                              waits for the skip decision ([Note: skip on the device], core.py);
+                              False: the optimizer reads it on the host first and calls neither
 
     The optimizer owns the order (``ShardedAdam.step()``: finish the gradient reduction; update,
     amax all-reduce, cast; launch the gathers) and every collective; a kernel never communicates.
@@ -57,10 +61,16 @@ class StepGrads:
     views of this rank's shards in the bucket buffers, in ``grad_sync_dtype`` (``FusedKernel``)."""
     sumsq: torch.Tensor
     """0-d fp32: the global sum of squares of the averaged gradient (before any clipping)."""
-    nonfinite: bool
-    """An inf or NaN anywhere on any rank (or a square that overflows fp32): the step is skipped."""
-    any_grad: bool
-    """Whether any rank accumulated a gradient ([Note: step without gradients])."""
+    apply: torch.Tensor
+    """0-d bool on the gradient's device: the sum of squares is finite (no inf or NaN on any
+    rank, no square that overflows fp32) and some rank accumulated a gradient ([Note: step
+    without gradients]). A kernel that ``decides_on_device`` reads it there ([Note: skip on the
+    device])."""
+    stats: torch.Tensor
+    """The reduced (sum of squares, ranks with a gradient) on the host: a CPU tensor, or a pinned
+    copy still in flight until ``ready`` has passed (the optimizer reads it: ``host_skip``)."""
+    ready: torch.cuda.Event | None = None
+    """Recorded after the copy into ``stats`` (CUDA), else None."""
     coef: torch.Tensor | None = None
     """0-d fp32 clipping coefficient the kernel multiplies the gradient by as it reads it, or None
     (``FusedKernel``; ``ReferenceKernel`` scales its fp32 copies in place instead)."""
@@ -79,7 +89,9 @@ class StepKernel(Protocol):
 
     def local_amax(self) -> torch.Tensor: ...
 
-    def cast(self, scales: torch.Tensor | None) -> None: ...
+    def cast(self, scales: torch.Tensor | None, grads: StepGrads) -> None: ...
+
+    decides_on_device: bool
 
 
 def adam_runs(regions: Sequence[RegionBuffers], group_of: Mapping[int, int],
@@ -123,7 +135,7 @@ class FlatReferenceKernel(ReferenceKernel):
     def local_amax(self) -> torch.Tensor:
         return self.fp8.local_amax(self.regions)
 
-    def cast(self, scales: torch.Tensor | None) -> None:
+    def cast(self, scales: torch.Tensor | None, grads: StepGrads) -> None:
         for rb in self.regions:
             if rb.is_fp8:
                 assert scales is not None

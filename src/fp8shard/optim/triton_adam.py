@@ -125,28 +125,32 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["tile_base"])
     def _adam_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
                      local_ptr, param_ptr, numel_ptr, slot_ptr, scale_ptr, partial_ptr, grad_scale_ptr,
-                     tile_base,
+                     apply_ptr, tile_base,
                      decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                      fmt_max,
                      BLOCK: tl.constexpr, ALIGN: tl.constexpr, WD_MODE: tl.constexpr,
                      LERP_SMALL: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, OUT_MODE: tl.constexpr,
-                     FMT: tl.constexpr):
-        tile = tl.program_id(0) + tile_base
-        n = tl.load(numel_ptr + tile)
-        if n == BLOCK:  # a full tile: no mask (constant), vector loads and stores
-            amax = _adam_body(tile, BLOCK, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
-                              local_ptr, param_ptr, slot_ptr, scale_ptr, grad_scale_ptr,
-                              decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps,
-                              neg_step_size, fmt_max, BLOCK, ALIGN, WD_MODE, LERP_SMALL,
-                              HAS_GRAD_SCALE, OUT_MODE, FMT)
-        else:
-            amax = _adam_body(tile, n, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
-                              local_ptr, param_ptr, slot_ptr, scale_ptr, grad_scale_ptr,
-                              decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps,
-                              neg_step_size, fmt_max, BLOCK, ALIGN, WD_MODE, LERP_SMALL,
-                              HAS_GRAD_SCALE, OUT_MODE, FMT)
-        if OUT_MODE == 1 or OUT_MODE == 2:
-            tl.store(partial_ptr + tile, amax)
+                     FMT: tl.constexpr, HAS_APPLY: tl.constexpr):
+        go = True
+        if HAS_APPLY:  # the step's skip decision, read here: nothing is written when it is 0
+            go = tl.load(apply_ptr) != 0
+        if go:
+            tile = tl.program_id(0) + tile_base
+            n = tl.load(numel_ptr + tile)
+            if n == BLOCK:  # a full tile: no mask (constant), vector loads and stores
+                amax = _adam_body(tile, BLOCK, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
+                                  local_ptr, param_ptr, slot_ptr, scale_ptr, grad_scale_ptr,
+                                  decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps,
+                                  neg_step_size, fmt_max, BLOCK, ALIGN, WD_MODE, LERP_SMALL,
+                                  HAS_GRAD_SCALE, OUT_MODE, FMT)
+            else:
+                amax = _adam_body(tile, n, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr,
+                                  local_ptr, param_ptr, slot_ptr, scale_ptr, grad_scale_ptr,
+                                  decay, weight_decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps,
+                                  neg_step_size, fmt_max, BLOCK, ALIGN, WD_MODE, LERP_SMALL,
+                                  HAS_GRAD_SCALE, OUT_MODE, FMT)
+            if OUT_MODE == 1 or OUT_MODE == 2:
+                tl.store(partial_ptr + tile, amax)
 
     @triton.jit
     def _cast_body(tile, n, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr, fmt_max,
@@ -162,16 +166,29 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["tile_base"])
     def _cast_kernel(master_ptr, out_ptr, local_ptr, param_ptr, numel_ptr, slot_ptr, scale_ptr,
-                     tile_base, fmt_max,
-                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, FMT: tl.constexpr):
-        tile = tl.program_id(0) + tile_base
-        n = tl.load(numel_ptr + tile)
-        if n == BLOCK:
-            _cast_body(tile, BLOCK, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr,
-                       fmt_max, BLOCK, ALIGN, FMT)
-        else:
-            _cast_body(tile, n, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr,
-                       fmt_max, BLOCK, ALIGN, FMT)
+                     apply_ptr, tile_base, fmt_max,
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, FMT: tl.constexpr, HAS_APPLY: tl.constexpr):
+        go = True
+        if HAS_APPLY:
+            go = tl.load(apply_ptr) != 0
+        if go:
+            tile = tl.program_id(0) + tile_base
+            n = tl.load(numel_ptr + tile)
+            if n == BLOCK:
+                _cast_body(tile, BLOCK, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr,
+                           fmt_max, BLOCK, ALIGN, FMT)
+            else:
+                _cast_body(tile, n, master_ptr, out_ptr, local_ptr, param_ptr, slot_ptr, scale_ptr,
+                           fmt_max, BLOCK, ALIGN, FMT)
+
+
+def _flag(apply: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """The skip flag as the kernels read it (one byte: 1 applies the step), or any pointer."""
+    if apply is None:
+        return dummy
+    if apply.dtype != torch.bool or apply.numel() != 1 or apply.device != dummy.device:
+        raise ValueError("apply must be a one-element bool tensor on the kernels' device")
+    return apply.reshape(1).view(torch.uint8)
 
 
 def _check(master: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -184,10 +201,12 @@ def launch_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
                 grad: torch.Tensor, out: torch.Tensor, table: TileTable, t0: int, t1: int,
                 hp: AdamScalars, *, out_mode: int, fmt: Fp8Format | None,
                 grad_scale: torch.Tensor | None, scale: torch.Tensor | None,
-                partial_amax: torch.Tensor | None, num_warps: int = ADAM_NUM_WARPS) -> None:
+                partial_amax: torch.Tensor | None, apply: torch.Tensor | None = None,
+                num_warps: int = ADAM_NUM_WARPS) -> None:
     """Kernel 1 on tiles ``[t0, t1)`` of ``table`` (all of one param group, hyperparameters ``hp``).
 
     ``out`` is the region's parameter buffer (uint8 for FP8), ``grad`` its gradient buffer.
+    ``apply``: a 0-d bool on the device; where False every program returns before writing.
     """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not available")
@@ -204,17 +223,18 @@ def launch_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         scale if scale is not None else dummy,
         partial_amax if partial_amax is not None else dummy,
         grad_scale if grad_scale is not None else dummy,
-        t0, **hp.kernel_args(), fmt_max=float(fmt.max) if fmt is not None else 0.0,
+        _flag(apply, dummy), t0, **hp.kernel_args(), fmt_max=float(fmt.max) if fmt is not None else 0.0,
         BLOCK=table.block, ALIGN=table.align, WD_MODE=hp.wd_mode, LERP_SMALL=hp.lerp_small,
         HAS_GRAD_SCALE=grad_scale is not None, OUT_MODE=out_mode,
-        FMT=_FMT_CODE[fmt] if fp8 and fmt is not None else 0,
+        FMT=_FMT_CODE[fmt] if fp8 and fmt is not None else 0, HAS_APPLY=apply is not None,
         num_warps=num_warps, enable_fp_fusion=False,
     )
 
 
 def launch_cast(master: torch.Tensor, out: torch.Tensor, table: TileTable, scale: torch.Tensor,
-                fmt: Fp8Format, num_warps: int = NUM_WARPS) -> None:
-    """Kernel 2 on every tile of ``table``: ``out`` (uint8) from ``master`` with ``scale[slot]``."""
+                fmt: Fp8Format, apply: torch.Tensor | None = None, num_warps: int = NUM_WARPS) -> None:
+    """Kernel 2 on every tile of ``table``: ``out`` (uint8) from ``master`` with ``scale[slot]``;
+    nothing where the 0-d bool ``apply`` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not available")
     if table.num_tiles == 0:
@@ -222,6 +242,6 @@ def launch_cast(master: torch.Tensor, out: torch.Tensor, table: TileTable, scale
     _check(master, out, scale)
     _cast_kernel[(table.num_tiles,)](
         master, out, table.local_start, table.param_start, table.numel, table.slot, scale,
-        0, float(fmt.max), BLOCK=table.block, ALIGN=table.align, FMT=_FMT_CODE[fmt],
-        num_warps=num_warps, enable_fp_fusion=False,
+        _flag(apply, scale), 0, float(fmt.max), BLOCK=table.block, ALIGN=table.align, FMT=_FMT_CODE[fmt],
+        HAS_APPLY=apply is not None, num_warps=num_warps, enable_fp_fusion=False,
     )
