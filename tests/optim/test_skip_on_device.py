@@ -96,3 +96,26 @@ def test_the_fused_step_reads_its_decision_after_the_step(monkeypatch):
         _backward(params, 2, "cpu")
         opt.step()  # settles nothing more: the first step was read above
         assert opt._step == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_the_fused_step_does_not_wait_for_the_gpu(scaling):
+    """On CUDA with the Triton kernels, ``clip_grad_norm`` and ``step()`` make no host sync (any
+    would raise under ``set_sync_debug_mode('error')``); the decision is read afterwards. A NaN
+    step is still skipped."""
+    params = _opt_params(0, "cuda")
+    opt = DistributedFusedAdam(params, lr=1e-2, fp8_weight_scaling=scaling)
+    assert isinstance(opt.engine.kernel, FusedKernel) and opt.engine.kernel.triton
+    for step in range(1, 5):
+        _backward(params, step, "cuda", nan=step == 4)
+        if step >= 3:  # after the first steps' one-time set-up (index tables moved to the GPU)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm(1.0)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert opt.last_step_skipped == (step == 4)
+        opt.zero_grad()
+    assert opt.state_dict()["step"] == 3
