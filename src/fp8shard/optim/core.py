@@ -161,7 +161,7 @@ class ShardedAdam(torch.optim.Optimizer):
             shards = engine.kernel.grad_shards()
             local = torch.zeros(2, dtype=torch.float32, device=self.device)
             local[0] = engine.kernel.grad_sumsq(shards)
-            local[1] = float(any_here)
+            local[1].fill_(float(any_here))  # a fill kernel: assigning a number would copy from the host
             engine.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
             apply = torch.isfinite(local[0]) & (local[1] > 0)
             ready = None
