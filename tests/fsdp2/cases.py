@@ -374,3 +374,31 @@ def load_and_continue(engine: str, path: str, more: int, recipe: str | None = No
     digest = model_space_digest(model, opt)
     losses = train_steps(model, opt, range(info.step, info.step + more), recipe_name=recipe)
     return digest, losses, info.world_size
+
+
+def skip_digests(on_device: bool, scaling: str = "current") -> tuple[list[dict[str, str]], list[bool], int]:
+    """The FSDP2 engine's fused kernel with the skip decision on the device or on the host
+    (``FSDP2FusedKernel.decides_on_device``): five steps, the third with a NaN gradient; the
+    model-space digest after each step, whether each was skipped, and the step count."""
+    from fp8shard.optim.fsdp2 import FSDP2FusedKernel
+
+    before = FSDP2FusedKernel.decides_on_device
+    FSDP2FusedKernel.decides_on_device = on_device
+    try:
+        pin_gemm()
+        torch.manual_seed(0)
+        model = shard(make_model())
+        opt = make_opt(model, "fsdp2/fused", scaling=scaling)
+        digests, skipped = [], []
+        for step in range(5):
+            x, y = batch(step)
+            with fs.fp8_autocast(enabled=True, recipe=autocast_recipe(None)), torch.autocast("cpu", torch.bfloat16):
+                loss = model(x, y)
+            (loss * (float("nan") if step == 2 else 1.0)).backward()
+            opt.step()
+            skipped.append(bool(opt.last_step_skipped))
+            opt.zero_grad()
+            digests.append(model_space_digest(model, opt))
+        return digests, skipped, int(opt.sharded_state_dict()["step"])
+    finally:
+        FSDP2FusedKernel.decides_on_device = before

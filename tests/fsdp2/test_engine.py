@@ -150,3 +150,17 @@ def test_persistent_memory_per_fp8_weight(dist_pools, world):
         total = r["weights"] + r["grads"] + r["master"] + r["states"]
         assert total <= 1 + 2 + 12 / n + r["grads"]
         assert r["unsharded_bytes"] == 0
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fused_kernel_skip_decided_on_the_device_matches_the_host(dist_pools, scaling):
+    """[Note: skip on the device] on the FSDP2 engine (2 ranks): a NaN gradient at step 3 skips
+    the step on every rank and leaves every master, moment, FP8 byte and scale as it was; with the
+    decision read on the host first, every step's state is the same, and both count 4 steps."""
+    pool = dist_pools(2)
+    dev, dev_skipped, dev_steps = pool.run(cases.skip_digests, True, scaling)[0]
+    host, host_skipped, host_steps = pool.run(cases.skip_digests, False, scaling)[0]
+    assert dev_skipped == host_skipped == [False, False, True, False, False]
+    assert dev_steps == host_steps == 4
+    assert dev[2] == dev[1] and dev[3] != dev[2]
+    assert dev == host

@@ -99,18 +99,19 @@ class ShardedAdam(torch.optim.Optimizer):
     # [Note: skip on the device]
     #     Whether a step applies (a finite gradient norm, some gradient at all: [Note: step
     #     without gradients]) is known on the device only after the backward. Reading it on the
-    #     host mid-``step()`` makes the host wait for the whole backward, and then the GPU waits
-    #     for the host to launch the step's kernels one by one (the 125M GPT on an H200 was
-    #     host-bound there: docs/performance.md). So with a kernel that ``decides_on_device``
-    #     (``FusedKernel``) the step never reads it: the flag (``StepGrads.apply``) goes to the
-    #     kernels, which write nothing where it is False; the scaling state and the weights'
+    #     host mid-``step()`` makes the host wait for the whole backward before it launches the
+    #     step's kernels. So with a kernel that ``decides_on_device`` (``FusedKernel``,
+    #     ``FSDP2FusedKernel``) the step never reads it: the flag (``StepGrads.apply``) goes to
+    #     the kernels, which write nothing where it is False; the scaling state and the weights'
     #     scales are kept by ``torch.where`` on it; the gathers move the unchanged bytes. The
     #     host counts the step and learns the decision later (a copy to pinned memory made with
     #     the flag): at the next ``step()``, or when ``last_step_skipped``, the step count or a
-    #     checkpoint is read (``_settle``), when that copy has long finished; a skipped step is
-    #     then taken back from the count before any later step uses it. A skipped step
-    #     leaves every byte of master, moments, weights, scales and amax history as it was, on
-    #     either path (tested). Other kernels read the flag on the host first, as before.
+    #     checkpoint is read (``_settle``), by then long finished; a skipped step is then taken
+    #     back from the count before any later step uses it. A skipped step leaves every byte of
+    #     master, moments, weights, scales and amax history as it was, on either path (tested;
+    #     a GPU test forbids any host sync in ``clip_grad_norm`` and ``step()``). Other kernels
+    #     read the flag on the host first. Measured: no 125M step got faster for it on an H100
+    #     (docs/performance.md, section 12); it takes one host sync out of every step.
 
     def _settle(self) -> None:
         """Read the decision of a step taken on the device ([Note: skip on the device])."""

@@ -209,7 +209,8 @@ class FSDP2FusedKernel:
     """The fused step ([Note: fused step]) on FSDP2's local shards: kernel 1 (Adam(W), the tile
     amaxes and, with delayed scaling, the FP8 bytes) and kernel 2 (the cast, current scaling)
     run per parameter on its local shard, reading the bf16 gradient shard in place (no fp32
-    copy); clipping is a coefficient kernel 1 applies as it reads. Triton where it serves, else
+    copy); clipping is a coefficient kernel 1 applies as it reads; both take the step's skip flag
+    on the device ([Note: skip on the device] in core.py). Triton where it serves, else
     the same tile ops in PyTorch (``adam_tiles_``' reference path: what the CPU tests run, bit
     for bit the ``FSDP2Kernel``'s numbers). Per-tensor FP8 weights only (the fused step's cast;
     rowwise and blockwise weights take ``FSDP2Kernel``)."""
@@ -238,7 +239,7 @@ class FSDP2FusedKernel:
             start += n
         self._no_grad: dict[int, torch.Tensor] = {}  # zeros for a parameter that got no gradient
 
-    decides_on_device = False  # the optimizer reads the skip decision on the host first
+    decides_on_device = True  # both tile ops take grads.apply ([Note: skip on the device])
 
     def grad_shards(self) -> list[torch.Tensor]:
         out = []
@@ -271,7 +272,7 @@ class FSDP2FusedKernel:
             mode = (OUT_AMAX if known is None else OUT_AMAX_CAST) if fp8 else OUT_PARAM
             adam_tiles_(self._unit(i, grads.shards[i]), table, hps, out_mode=mode,  # type: ignore[arg-type]
                         grad_scale=grads.coef, scale=known, partial_amax=self.partials.get(i),
-                        triton=self.triton)
+                        triton=self.triton, apply=grads.apply)
 
     def local_amax(self) -> torch.Tensor:
         out = torch.zeros(self.fp8.num_slots, dtype=torch.float32, device=self.device)
@@ -284,7 +285,8 @@ class FSDP2FusedKernel:
         assert scales is not None
         for i in self.partials:
             if self.tables[i].num_tiles:
-                cast_tiles_(self._unit(i), self.tables[i], scales, triton=self.triton)  # type: ignore[arg-type]
+                cast_tiles_(self._unit(i), self.tables[i], scales, triton=self.triton,  # type: ignore[arg-type]
+                            apply=grads.apply)
 
 
 class FSDP2WeightScales(WeightQuantizers):
