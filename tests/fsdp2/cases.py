@@ -392,7 +392,8 @@ def skip_digests(on_device: bool, scaling: str = "current") -> tuple[list[dict[s
         digests, skipped = [], []
         for step in range(5):
             x, y = batch(step)
-            with fs.fp8_autocast(enabled=True, recipe=autocast_recipe(None)), torch.autocast("cpu", torch.bfloat16):
+            recipe = autocast_recipe(None)
+            with fs.fp8_autocast(enabled=True, recipe=recipe), torch.autocast("cpu", torch.bfloat16):
                 loss = model(x, y)
             (loss * (float("nan") if step == 2 else 1.0)).backward()
             opt.step()
