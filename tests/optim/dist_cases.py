@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -297,14 +298,9 @@ def wire_and_memory(alignment: int, fp8: bool = True) -> dict:
     opt = DistributedFusedAdam(model.parameters(), lr=1e-3, alignment=alignment,
                                grad_sync_dtype=grad_dtype)
     model(batch(1, rank)).square().mean().backward()
-    opt.step()
+    # Storages alive between the backward and the step, gradients included
+    # ([Note: gradient regions]: the gradient storage lives from the backward to the step's end).
     params = list(model.parameters())
-    fp8_numel = sum(p.numel() for p in params if isinstance(p, Float8Tensor))
-    by_dtype: dict[torch.dtype, int] = {}
-    for p in params:
-        if not isinstance(p, Float8Tensor):
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
-    # Distinct storages the optimizer keeps alive: the parameters' bytes and its own buffers.
     storages = {}
     for p in params:
         data = p._data if isinstance(p, Float8Tensor) else p.detach()
@@ -312,7 +308,17 @@ def wire_and_memory(alignment: int, fp8: bool = True) -> dict:
     for rb in opt.engine.regions:
         for t in rb.tensors():
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    grad_refs = [weakref.ref(rb.grad_buffer) for rb in opt.engine.regions]  # views keep their base
+    opt.step()
+    grads_after_step = (sum(r() is not None for r in grad_refs)
+                        + sum(rb.grad_buffer is not None for rb in opt.engine.regions))
+    fp8_numel = sum(p.numel() for p in params if isinstance(p, Float8Tensor))
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in params:
+        if not isinstance(p, Float8Tensor):
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
     return {"comm": opt.comm_report(), "memory": opt.memory_report(), "storage_bytes": sum(storages.values()),
+            "grad_bytes_after_step": grads_after_step,
             "fp8_numel": fp8_numel, "other_numel": {str(k): v for k, v in by_dtype.items()},
             "numel": sum(p.numel() for p in params)}
 

@@ -119,8 +119,10 @@ def test_bytes_on_the_wire_and_memory(dist_pools, world_size):
     padded = fp8_wire + comm["all_gather.params.bfloat16"] // 2 + comm["all_gather.params.float32"] // 4
     assert comm["reduce_scatter.grads"] == 2 * padded
     assert comm["all_reduce.amax"] == 4 * 3  # ONE packed all-reduce for the 3 FP8 weights
-    # The memory report accounts for exactly the storages that exist (weights included).
+    # The memory report accounts for exactly the storages that exist between the backward and
+    # the step (weights included); after the step the gradient storage is released.
     assert mem["total"] == r["storage_bytes"]
+    assert r["grad_bytes_after_step"] == 0
     n_bf16, n_fp32 = r["other_numel"]["torch.bfloat16"], r["other_numel"]["torch.float32"]
     assert mem["fp8_weights"] == r["fp8_numel"]  # 1 byte per element
     assert mem["other_weights"] == 2 * n_bf16 + 4 * n_fp32

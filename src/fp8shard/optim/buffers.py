@@ -8,9 +8,25 @@
                                     FP8 regions hold ``uint8`` (gloo has no float8 dtype).
       grad_buffer   (numel,)        gradients in ``grad_sync_dtype``; each bucket is reduce-scattered
                                     in place, so after the sync rank r's shard holds the mean.
+                                    Its storage exists only from the backward's first gradient
+                                    in the region to the end of the step ([Note: gradient regions]).
       master        (shard_numel,)  fp32, this rank's shards of all buckets, concatenated.
       exp_avg, exp_avg_sq           like master, in ``state_dtype``.
-    Padding is zero everywhere and stays zero (zero grad, zero master, zero bytes).
+    Padding is zero everywhere and stays zero (zero grad, zero master, zero bytes); the gradient
+    padding is zeroed again each time the gradient storage is allocated.
+
+[Note: gradient regions]
+    A gradient buffer that lived between steps would sit beside the forward's activations at
+    their peak (at 1.3B: 2.6 GB of 35 GB, the backward's start), though nothing reads it there.
+    So the gradient storage of a region is allocated when the backward first writes a gradient
+    into the region and released when the gradients are consumed, after the
+    step or at ``zero_grad`` (``grad_buffer`` is None then, and every view the engine made of
+    it is dropped with it; they are made again for each allocation). ``GradSync`` owns that
+    lifetime (flat.py: ``_ensure``, ``reset``). Regions are capped
+    (``region_cap_mb``, [Note: shard layout]) so that the backward allocates them one after
+    another as it reaches their parameters, not all at its first gradient; the step runs its
+    kernels once per region, so the cap trades a few launches for that granularity. On the GPU
+    the caching allocator serves the same blocks again each step (no cudaMalloc in steady state).
 """
 
 from __future__ import annotations
@@ -49,7 +65,10 @@ class RegionBuffers:
         self.fmt: Fp8Format | None = Fp8Format.parse(self.dtype) if self.is_fp8 else None  # once
         buf_dtype = torch.uint8 if self.is_fp8 else self.dtype
         self.param_buffer = torch.zeros(layout.numel, dtype=buf_dtype, device=device)
-        self.grad_buffer = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
+        self.grad_dtype = grad_dtype
+        # None while released: GradSync owns its lifetime ([Note: gradient regions]).
+        self.grad_buffer: torch.Tensor | None = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
+        self.grad_gaps = _gaps(layout, device)  # elements no parameter covers: zeroed on allocation
         n = layout.shard_numel
         self.master = torch.zeros(n, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(n, dtype=state_dtype, device=device)
@@ -117,7 +136,7 @@ class RegionBuffers:
     def nbytes(self) -> dict[str, int]:
         """Persistent bytes by category; they add up to the buffers' storage sizes."""
         lay = self.layout
-        p_elem, g_elem = self.param_buffer.element_size(), self.grad_buffer.element_size()
+        p_elem, g_elem = self.param_buffer.element_size(), self.grad_dtype.itemsize
         owned = sum(pc.numel for pc in self.pieces)
         shard_pad = lay.shard_numel - owned
         s_elem = self.exp_avg.element_size()
@@ -130,4 +149,18 @@ class RegionBuffers:
         }
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.param_buffer, self.grad_buffer, self.master, self.exp_avg, self.exp_avg_sq]
+        """The buffers' tensors (the gradients only while allocated)."""
+        grads = [] if self.grad_buffer is None else [self.grad_buffer]
+        return [self.param_buffer, *grads, self.master, self.exp_avg, self.exp_avg_sq]
+
+
+def _gaps(layout: RegionLayout, device: torch.device) -> torch.Tensor | None:
+    """Indices of the region's elements outside every parameter (alignment gaps, tail padding)."""
+    parts, cursor = [], 0
+    for r in sorted(layout.params, key=lambda r: r.start):
+        if r.start > cursor:
+            parts.append(torch.arange(cursor, r.start))
+        cursor = max(cursor, r.end)
+    if layout.numel > cursor:
+        parts.append(torch.arange(cursor, layout.numel))
+    return torch.cat(parts).to(device) if parts else None

@@ -292,10 +292,11 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ================================================================== accounting
     def memory_report(self) -> dict[str, int]:
-        """Persistent bytes on this rank by category, and their ``total``.
+        """Bytes on this rank by category, and their ``total``.
 
         Categories: fp8_weights, other_weights, grad_buffers, master, optimizer_states, padding
-        (the flat engine: its buffers' storage, the weights included; FSDP2: the local shards).
+        (the flat engine: its buffers' storage, the weights included, with ``grad_buffers`` held
+        only from the backward to the step, [Note: gradient regions]; FSDP2: the local shards).
         """
         out = self.engine.memory_report()
         out["total"] = sum(out.values())

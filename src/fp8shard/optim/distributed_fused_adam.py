@@ -41,6 +41,9 @@ class DistributedFusedAdam(ShardedAdam):
         adam_w_mode: True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam).
         process_group: the data-parallel group (default: the world; none initialized: one process).
         bucket_cap_mb: bucket size in MiB of ``grad_sync_dtype`` gradients.
+        region_cap_mb: the largest region of the buffers, in MiB of ``grad_sync_dtype`` gradients
+            (``math.inf``: one per storage dtype). A region's gradient storage is allocated when
+            the backward first reaches it and released after the step, [Note: gradient regions].
         alignment: parameters start, and shards split, at multiples of this many elements.
         grad_sync_dtype: dtype of the gradient buffers and of the reduce-scatter (bf16 default).
         state_dtype: dtype of exp_avg/exp_avg_sq (fp32 default; bf16 halves their memory).
@@ -70,6 +73,7 @@ class DistributedFusedAdam(ShardedAdam):
         adam_w_mode: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
+        region_cap_mb: float = 256.0,
         alignment: int = 16,
         grad_sync_dtype: torch.dtype = torch.bfloat16,
         state_dtype: torch.dtype = torch.float32,
@@ -96,7 +100,7 @@ class DistributedFusedAdam(ShardedAdam):
             grad_sync_dtype=grad_sync_dtype, state_dtype=state_dtype,
             overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
             fp8_weight_scaling=fp8_weight_scaling, delayed_scaling=delayed_scaling, fused=fused,
-            step_kernel=step_kernel)
+            step_kernel=step_kernel, region_cap_mb=region_cap_mb)
         if module is not None:
             self.register_module(module)
 

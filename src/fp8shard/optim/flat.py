@@ -67,9 +67,10 @@ class GradSync:
         *stale*. A parameter's first gradient in the window is written over its stale slot
         (``torch.add(grad, 0, out=slot)``: the bits ``zero + grad`` gives, -0.0 included),
         later ones are added; a slot still stale when its bucket launches (a parameter without
-        a gradient) is zeroed then. Padding and alignment gaps are never written by either, and
-        the reduce-scatter leaves them the sum of zeros, so they stay zero from construction
-        on. What the reduce-scatter reads is what zeroing then adding gave, bit for bit.
+        a gradient) is zeroed then. Padding and alignment gaps are zeroed when the region's
+        gradient storage is allocated ([Note: gradient regions]) and never written by either,
+        and the reduce-scatter leaves them the sum of zeros. What the reduce-scatter reads is
+        what zeroing then adding gave, bit for bit.
     """
 
     def __init__(self, regions: list[RegionBuffers], params: dict[int, torch.Tensor],
@@ -86,15 +87,19 @@ class GradSync:
         # Expected completion order: a bucket is done when its lowest-index (last in backward)
         # parameter arrives. Ties (several regions) break by key: the same on every rank.
         self.order = sorted(self.bucket_params, key=lambda k: (-min(self.bucket_params[k]), k))
-        # Each bucket's (this rank's shard, whole bucket) of the grad buffer, which never moves.
-        self._views = {k: (regions[k[0]].shard(regions[k[0]].grad_buffer, k[1]),
-                           regions[k[0]].bucket(regions[k[0]].grad_buffer, k[1])) for k in self.order}
-        # Each parameter's slot of the grad buffer (views made once: the hooks run per parameter).
-        self._slots = {i: regions[ri].grad_slot(i) for i, (ri, _) in self.where.items()}
+        # Each bucket's (this rank's shard, whole bucket) of the grad buffer and each parameter's
+        # slot, made once per allocation of a region's gradients (the hooks run per parameter).
+        self._region_keys: dict[int, list[BucketKey]] = {}
+        for k in self.order:
+            self._region_keys.setdefault(k[0], []).append(k)
+        self._region_params: dict[int, list[int]] = {}
+        for i, (ri, _) in self.where.items():
+            self._region_params.setdefault(ri, []).append(i)
+        self._views: dict[BucketKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._slots: dict[int, torch.Tensor] = {}
         self.handles: dict[BucketKey, Handle] = {}
         self.missing: dict[BucketKey, set[int]] = {}
-        self.reset()
-        self.stale: set[int] = set()  # the buffers start at zero ([Note: lazy gradient zeroing])
+        self.reset()  # the gradient storage waits for the first backward ([Note: gradient regions])
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in params.items()
         ]
@@ -108,6 +113,25 @@ class GradSync:
         self.dirty = False  # whether any gradient was added since the last reset
         self.missing = {k: set(v) for k, v in self.bucket_params.items()}
         self.stale = set(self.where)  # [Note: lazy gradient zeroing]
+        self._views.clear()  # nothing in flight reads them any more: [Note: gradient regions]
+        self._slots.clear()
+        for rb in self.regions:
+            rb.grad_buffer = None
+
+    def _ensure(self, ri: int) -> None:
+        """Region ``ri``'s gradient storage (allocated if released, its padding zero) and this
+        window's views of it, [Note: gradient regions]. What the parameters' slots hold is
+        undefined until written ([Note: lazy gradient zeroing])."""
+        rb = self.regions[ri]
+        if rb.grad_buffer is None:
+            rb.grad_buffer = torch.empty(rb.layout.numel, dtype=rb.grad_dtype, device=rb.master.device)
+            if rb.grad_gaps is not None:
+                rb.grad_buffer.index_fill_(0, rb.grad_gaps, 0)
+        grad = rb.grad_buffer
+        for k in self._region_keys.get(ri, []):
+            self._views[k] = (rb.shard(grad, k[1]), rb.bucket(grad, k[1]))
+        for i in self._region_params.get(ri, []):
+            self._slots[i] = rb.grad_slot(i)
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -118,7 +142,7 @@ class GradSync:
     def accumulate(self, index: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        _, keys = self.where[index]
+        ri, keys = self.where[index]
         launched = [k for k in keys if k in self.handles]
         if launched:
             raise RuntimeError(
@@ -126,6 +150,8 @@ class GradSync:
                 "started; accumulate micro-batches inside `with opt.no_sync():` (all but the last), "
                 "or call opt.step()/opt.zero_grad() between backward passes"
             )
+        if index not in self._slots:
+            self._ensure(ri)
         slot, grad = self._slots[index], p.grad.detach().reshape(-1)
         if index in self.stale:
             torch.add(grad, 0, out=slot)
@@ -148,6 +174,8 @@ class GradSync:
 
     def _launch(self, key: BucketKey) -> None:
         self._next += 1
+        if key not in self._views:  # a region no gradient reached: its zeros are reduced
+            self._ensure(key[0])
         for i in self.bucket_params[key] & self.stale:  # no gradient this window: zero
             self._slots[i].zero_()
             self.stale.discard(i)
@@ -245,14 +273,14 @@ class FlatEngine:
                  alignment: int, grad_sync_dtype: torch.dtype, state_dtype: torch.dtype,
                  overlap_grad_sync: bool, overlap_param_sync: bool, fp8_weight_scaling: ScalingMode,
                  delayed_scaling: DelayedScaling | None, fused: bool,
-                 step_kernel: Literal["auto", "reference", "fused"]) -> None:
+                 step_kernel: Literal["auto", "reference", "fused"], region_cap_mb: float = 256.0) -> None:
         self.params = params
         self.overlap_param_sync = overlap_param_sync
         self.comm = CommCounter()
         self.group = Group(process_group, self.comm)
         _check_backend(self.group, device)
         self.regions = _build_regions(params, self.group, device, bucket_cap_mb, alignment,
-                                      grad_sync_dtype, state_dtype)
+                                      grad_sync_dtype, state_dtype, region_cap_mb)
         fp8 = {i: p for i, p in enumerate(params) if isinstance(p, Float8Tensor)}
         self.fp8 = Fp8WeightScaler(fp8, fp8_weight_scaling, delayed_scaling, device)
         self._new_scale_inv = torch.zeros(self.fp8.num_slots, device=device)
@@ -357,19 +385,25 @@ class FlatEngine:
 
 
 def _build_regions(params: list[torch.Tensor], group: Group, device: torch.device, bucket_cap_mb: float,
-                   alignment: int, grad_dtype: torch.dtype, state_dtype: torch.dtype) -> list[RegionBuffers]:
+                   alignment: int, grad_dtype: torch.dtype, state_dtype: torch.dtype,
+                   region_cap_mb: float = 256.0) -> list[RegionBuffers]:
     if not grad_dtype.is_floating_point or not state_dtype.is_floating_point:
         raise ValueError(f"grad_sync_dtype and state_dtype must be floating point, got "
                          f"{grad_dtype} and {state_dtype}")
     if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
+    if isinstance(region_cap_mb, bool) or not (isinstance(region_cap_mb, (int, float)) and region_cap_mb > 0):
+        raise ValueError(f"region_cap_mb must be a number > 0 (math.inf: one region per storage dtype), "
+                         f"got {region_cap_mb!r}")
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
     # Backward visits parameters roughly in reverse registration order: [Note: shard layout].
     order = reversed(list(enumerate(params)))
     specs = [ParamSpec(i, p.numel(), storage_dtype(p), shard_unit(p)) for i, p in order]
     elem = torch.empty(0, dtype=grad_dtype).element_size()
-    layouts = build_layout(specs, group.world_size, int(bucket_cap_mb * 2**20 / elem), alignment)
+    region_numel = None if region_cap_mb == math.inf else max(1, int(region_cap_mb * 2**20 / elem))
+    layouts = build_layout(specs, group.world_size, int(bucket_cap_mb * 2**20 / elem), alignment,
+                           region_numel)
     return [RegionBuffers(lay, group.rank, device, grad_dtype, state_dtype) for lay in layouts]
 
 

@@ -488,12 +488,14 @@ class FusedKernel:
                                         rb.master.device) for rb in self.regions]
         self.partials = [torch.zeros(t.num_tiles, dtype=torch.float32, device=rb.master.device)
                          if rb.is_fp8 else None for rb, t in zip(self.regions, self.tables, strict=True)]
-        # This rank's shard of every bucket, viewed in the grad buffers (which never move).
-        self._grad_shards = [rb.shard(rb.grad_buffer, b.index) for rb in self.regions
+        # (region, start, numel) of this rank's shard of every bucket in the grad buffers, which
+        # are a new allocation each step ([Note: gradient regions]): the views are made per step.
+        self._grad_shards = [(ri, b.shard_start(rb.rank), b.shard_numel) for ri, rb in enumerate(self.regions)
                              for b in rb.layout.buckets]
 
     def grad_shards(self) -> list[torch.Tensor]:
-        return list(self._grad_shards)
+        grads = [rb.grad_buffer for rb in self.regions]
+        return [grads[ri][s:s + n] for ri, s, n in self._grad_shards]
 
     def grad_sumsq(self, shards: list[torch.Tensor]) -> torch.Tensor:
         return sumsq_in_place(shards, self.device)

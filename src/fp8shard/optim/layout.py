@@ -157,13 +157,18 @@ def build_layout(
     world_size: int,
     bucket_numel: int,
     alignment: int = 16,
+    region_numel: int | None = None,
 ) -> list[RegionLayout]:
     """Regions in order of first appearance in ``specs`` (which should be backward order).
 
     ``bucket_numel`` is rounded down to a multiple of ``world_size * alignment`` (at least one
     such multiple; ``lcm(alignment, unit)`` for parameters with a unit) so that every shard
-    starts aligned.
+    starts aligned. ``region_numel`` (None: no limit) caps a region's elements: the parameters
+    of one key are cut, between parameters, into consecutive regions of at most that many
+    elements (a larger parameter gets a region of its own), [Note: gradient regions].
     """
+    if region_numel is not None and region_numel < 1:
+        raise ValueError(f"region_numel must be >= 1, got {region_numel}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if alignment < 1:
@@ -180,16 +185,36 @@ def build_layout(
         align = math.lcm(alignment, unit)  # units, and so shard boundaries, on multiples of it
         quantum = world_size * align
         cap = max(quantum, bucket_numel // quantum * quantum)
-        ranges, cursor = [], 0
-        for s in members:
-            cursor = _round_up(cursor, align)
-            ranges.append(ParamRange(s.index, cursor, s.numel))
-            cursor += s.numel
-        total = _round_up(max(cursor, 1), quantum)
-        buckets, start = [], 0
-        while start < total:
-            end = min(start + cap, total)
-            buckets.append(Bucket(len(buckets), start, end, world_size))
-            start = end
-        regions.append(RegionLayout(key, tuple(ranges), tuple(buckets), world_size, unit))
+        for group in _split(members, align, region_numel):
+            ranges, cursor = [], 0
+            for s in group:
+                cursor = _round_up(cursor, align)
+                ranges.append(ParamRange(s.index, cursor, s.numel))
+                cursor += s.numel
+            total = _round_up(max(cursor, 1), quantum)
+            buckets, start = [], 0
+            while start < total:
+                end = min(start + cap, total)
+                buckets.append(Bucket(len(buckets), start, end, world_size))
+                start = end
+            regions.append(RegionLayout(key, tuple(ranges), tuple(buckets), world_size, unit))
     return regions
+
+
+def _split(members: list[ParamSpec], align: int, limit: int | None) -> list[list[ParamSpec]]:
+    """Consecutive runs of ``members`` whose aligned extent is at most ``limit`` elements (a
+    parameter larger than it alone); one run when ``limit`` is None."""
+    if limit is None:
+        return [members]
+    runs: list[list[ParamSpec]] = []
+    cursor = 0
+    for s in members:
+        start = _round_up(cursor, align)
+        if runs and runs[-1] and start + s.numel > limit:
+            runs.append([])
+            start = 0
+        if not runs:
+            runs.append([])
+        runs[-1].append(s)
+        cursor = start + s.numel
+    return runs
