@@ -10,7 +10,8 @@
 #   peers          the ~1.3B GPT against the peer systems, eager
 #   peers-compile  the same, fp8shard compiled in place, against torchao float8 + FSDP2
 #   reference      against the compiled plain-PyTorch GPT and torchao float8, 125M and 1.3B (time-boxed)
-#   profile        where a GPT step's time goes, and the Linear's and the cast's
+#   profile        where a GPT step's time goes, and the Linear's and the cast's; the 125M
+#                  micro-batch's host time, FP8-stored weights against bf16 ones
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   memory         where the step's peak memory goes at 1.3B (against torchao float8) and at 125M: each
 #                  phase's peak and what is live at the step's peak (compare_peers --memory-snapshot)
@@ -108,6 +109,8 @@ if want profile; then
   run $py benchmarks/profile_linear.py --variants "bf16,fp8 current,fp8 delayed,fp8 params" \
     --modes compile,eager --out "$OUT/profile_linear.json" 2>&1 | tail -20
   run $py benchmarks/profile_cast.py --profile --sweep --out "$OUT/profile_cast.json" 2>&1 | tail -30
+  # the 125M command's micro-batch and step on the host: FP8-stored weights against bf16 ones
+  run $py benchmarks/bench_host_overhead.py --gpu --profile --out "$OUT/host_overhead.json" 2>&1 | tail -34
 fi
 if want engines; then
   # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2

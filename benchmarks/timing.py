@@ -34,6 +34,28 @@ def median_seconds(fn: Callable[[], object], device: str = "cpu", warmup: int = 
     return statistics.median(times)
 
 
+def host_and_wall_seconds(fn: Callable[[], object], device: str = "cpu", warmup: int = 3,
+                          reps: int = 10) -> tuple[float, float]:
+    """(median host seconds, median wall seconds) of ``fn``: ``time.perf_counter`` from the call
+    to its return (the host's work: Python, guards, launches; the device queue is drained before
+    each call), and to the device's end of that work (CUDA: after a synchronize). On the CPU the
+    two are the same time."""
+    for _ in range(warmup):
+        fn()
+    host, wall = [], []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        host.append(t1 - t0)
+        wall.append((time.perf_counter() if device == "cuda" else t1) - t0)
+    return statistics.median(host), statistics.median(wall)
+
+
 def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph (after a warm-up call, and one on a side stream as capture
     wants); replaying it times the GPU work alone, without host overhead."""
