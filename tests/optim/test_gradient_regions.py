@@ -145,22 +145,42 @@ def test_many_regions_train_as_one_on_the_gpu(scaling):
     _same_training("cuda", scaling, "auto")
 
 
-@pytest.mark.gpu
-def test_the_gradient_memory_is_given_back_after_the_step():
-    """On the GPU the caching allocator gets the gradient blocks back after ``step()``: allocated
-    memory between steps holds no gradient, and the backward adds them again."""
-    params = _opt_params(0, "cuda")
-    opt = DistributedFusedAdam(params, lr=1e-2, region_cap_mb=1000 * 2 / 2**20)
+def _nothing_holds_the_gradients(device: str, step_kernel: str) -> None:
+    """Steps as the training loop takes them (``step()``, ``zero_grad()``, the skip decision not
+    read in between): after each, no tensor of the step's gradient buffers is alive anywhere
+    (the fused kernel's pending decision included), and on CUDA the allocated memory says so."""
+    params = _opt_params(0, device)
+    opt = DistributedFusedAdam(params, lr=1e-2, region_cap_mb=1000 * 2 / 2**20,
+                               step_kernel=step_kernel)  # type: ignore[arg-type]
     grad_bytes = sum(rb.layout.numel * 2 for rb in opt.engine.regions)  # bf16
-    for _ in range(2):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        _backward(params, 1, "cuda")
-        torch.cuda.synchronize()
-        during = torch.cuda.memory_allocated()
+    cuda = device == "cuda"
+    for step in range(1, 4):
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        _backward(params, step, device)
+        refs = [weakref.ref(rb.grad_buffer) for rb in opt.engine.regions]
+        if cuda:
+            during = torch.cuda.memory_allocated()
+        opt.clip_grad_norm(1.0)
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_allocated()
-        assert during - before >= grad_bytes  # the gradients exist through the backward
-        assert after <= before  # and are gone after the step
+        assert all(r() is None for r in refs), step
+        if cuda:
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated()
+            assert during - before >= grad_bytes  # the gradients exist through the backward
+            assert during - after >= grad_bytes  # and are given back with the step
+    assert not opt.last_step_skipped
+
+
+@pytest.mark.parametrize("step_kernel", ["reference", "fused"])
+def test_nothing_holds_the_gradients_after_the_step(step_kernel):
+    _nothing_holds_the_gradients("cpu", step_kernel)
+
+
+@pytest.mark.gpu
+def test_the_gradient_memory_is_given_back_after_the_step():
+    """On the GPU (Triton kernels, the decision on the device) the caching allocator gets the
+    gradient blocks back with ``step()``."""
+    _nothing_holds_the_gradients("cuda", "auto")

@@ -85,6 +85,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.engine.kernel.decides_on_device:  # [Note: skip on the device]
             self._steps += 1
             self.engine.launch_gathers(self._update_and_cast(grads), grads.apply)
+            grads.shards = []  # the decision is all that waits: the gradients go with the step
             self._pending = grads
         else:
             self._last_skipped = _host_skip(grads)
