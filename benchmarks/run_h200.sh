@@ -10,7 +10,8 @@
 #   peers          the ~1.3B GPT against the peer systems, eager
 #   peers-compile  the same, fp8shard compiled in place, against torchao float8 + FSDP2
 #   reference      against the compiled plain-PyTorch GPT and torchao float8, 125M and 1.3B (time-boxed)
-#   profile        where a GPT step's time goes, and the Linear's and the cast's; the 125M
+#   profile        where a GPT step's time goes, and the Linear's and the cast's; the 125M command's
+#                  step, FP8-stored weights against bf16 (its host work, its own steps profiled); the 125M
 #                  micro-batch's host time, FP8-stored weights against bf16 ones
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   memory         where the step's peak memory goes at 1.3B (against torchao float8) and at 125M: each
@@ -111,6 +112,9 @@ if want profile; then
   run $py benchmarks/profile_cast.py --profile --sweep --out "$OUT/profile_cast.json" 2>&1 | tail -30
   # the 125M command's micro-batch and step on the host: FP8-stored weights against bf16 ones
   run $py benchmarks/bench_host_overhead.py --gpu --profile --out "$OUT/host_overhead.json" 2>&1 | tail -34
+  # the 125M command's own steps under the profiler, FP8-stored weights against bf16 ones
+  run $py benchmarks/profile_command.py --set trainer.accelerator=gpu --out "$OUT/profile_command.json" \
+    2>&1 | tail -60
 fi
 if want engines; then
   # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2
