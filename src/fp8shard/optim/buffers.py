@@ -134,7 +134,8 @@ class RegionBuffers:
 
     # ---------------------------------------------------------------- accounting
     def nbytes(self) -> dict[str, int]:
-        """Persistent bytes by category; they add up to the buffers' storage sizes."""
+        """Bytes by category; they add up to the buffers' storage sizes between the backward and
+        the step (``grad_buffers`` is allocated only then, [Note: gradient regions])."""
         lay = self.layout
         p_elem, g_elem = self.param_buffer.element_size(), self.grad_dtype.itemsize
         owned = sum(pc.numel for pc in self.pieces)
