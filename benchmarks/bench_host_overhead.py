@@ -45,7 +45,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -54,7 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import host_and_wall_seconds
+from timing import host_and_wall_seconds, run_child
 
 ARMS = ("bf16", "fp8")
 PHASES = ("forward", "backward", "micro-batch", "optimizer", "step")
@@ -263,16 +262,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run_arm(args: argparse.Namespace, arm: str, argv: list[str]) -> dict[str, Any]:
-    """``arm`` measured in a fresh process (see the module's docstring for why)."""
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", arm]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"arm {arm} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
-    return json.loads(line)
-
-
 def _median_or_none(values: list[float | None]) -> float | None:
     return None if None in values else statistics.median(v for v in values if v is not None)
 
@@ -370,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     for _ in range(args.rounds):  # the arms alternate: a machine's load drifts over both alike
         for arm in ARMS:
-            rounds[arm].append(run_arm(args, arm, raw))
+            rounds[arm].append(run_child(__file__, raw, arm))
     results = {arm: combine(runs) for arm, runs in rounds.items()}
     report(results, args)
     cpu = platform.processor() or platform.machine()

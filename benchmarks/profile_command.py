@@ -26,13 +26,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import run_child
 
 ARMS = {"fp8": [], "bf16": ["model.fp8=false", "model.fp8_params=false"]}
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -106,14 +108,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "fp8_weights": fp8_weights, "events": events}
 
 
-def run_arm(args: argparse.Namespace, arm: str, raw: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), *raw, "--child", arm]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"arm {arm} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def diffs(results: dict[str, dict[str, Any]], top: int) -> dict[str, list[dict[str, Any]]]:
     """Events by |fp8 - bf16| per step: GPU time, host (self CPU) time, count."""
     a, b = results["bf16"]["events"], results["fp8"]["events"]
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child is not None:
         print(json.dumps(child(args)), flush=True)
         return {}
-    results = {arm: run_arm(args, arm, raw) for arm in ARMS}
+    results = {arm: run_child(__file__, raw, arm) for arm in ARMS}
     d = diffs(results, args.top)
     report(results, d, args)
     out = {"benchmark": "profile_command", "torch": torch.__version__,

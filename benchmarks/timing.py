@@ -6,9 +6,14 @@ and allocator warm-up stay out of the numbers). CPU: ``time.perf_counter``.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -70,3 +75,13 @@ def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         fn()
     return g
+
+
+def run_child(script: str, argv: list[str], name: str) -> dict[str, Any]:
+    """Run ``script argv --child name`` in a fresh Python process and return the JSON object it
+    prints last (a benchmark's arm measured in a process of its own)."""
+    cmd = [sys.executable, os.path.abspath(script), *argv, "--child", name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"arm {name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
