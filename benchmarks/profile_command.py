@@ -1,7 +1,7 @@
 """Where the training command's step loses time with FP8-stored weights against bf16 ones.
 
     python benchmarks/profile_command.py [--config gpt_125m] [--steps 5] [--warmup 3] [--top 15]
-                                         [--out FILE.json] [--set KEY=VALUE ...]
+                                         [--out FILE.json] [--trace DIR] [--set KEY=VALUE ...]
 
 The command itself, not a harness around its builders: each arm builds the training command's
 ``Trainer`` (``fp8shard.train.loop``) from ``config=CONFIG`` and the ``--set`` overrides, in a
@@ -75,12 +75,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 trainer.train_step()
                 _sync(device)
                 wall.append(time.perf_counter() - t0)
+            peak_mib = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             _sync(device)
             with profile(activities=acts) as prof:
-                for _ in range(args.steps):
+                for _ in range(args.steps if args.profile else 0):
                     trainer.train_step()
                 _sync(device)
+            if args.trace:
+                prof.export_chrome_trace(os.path.join(args.trace, f"{args.child}.json"))
             fp8_weights = sum(1 for p in trainer.model.parameters() if type(p).__name__ == "Float8Tensor")
             step_ms = statistics.median(wall) * 1e3
             tokens = cfg.model.global_batch_size * cfg.model.encoder_seq_length // env.world_size
@@ -102,9 +105,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             trainer.close()
     return {"arm": args.child, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "first_step_s": first_s, "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
-            "gpu_busy_ms": busy_us / 1e3 / args.steps if device.type == "cuda" else None,
-            "launches": launches / args.steps, "host_syncs": syncs,
+            "first_step_s": first_s, "peak_mib": peak_mib, "step_ms": step_ms,
+            "tokens_per_s": tokens / (step_ms / 1e3),
+            "gpu_busy_ms": busy_us / 1e3 / args.steps if device.type == "cuda" and args.profile else None,
+            "launches": launches / args.steps if args.profile else None, "host_syncs": syncs,
             "fp8_weights": fp8_weights, "events": events}
 
 
@@ -133,6 +137,7 @@ def report(results: dict[str, dict[str, Any]], d: dict[str, list[dict[str, Any]]
             ("GPU busy ms", a["gpu_busy_ms"], b["gpu_busy_ms"]),
             ("kernel launches", a["launches"], b["launches"]),
             ("FP8 weights", a["fp8_weights"], b["fp8_weights"]),
+            ("peak MiB allocated", a["peak_mib"], b["peak_mib"]),
             ("first step s (compiles)", a["first_step_s"], b["first_step_s"])]
     for name in SYNC_EVENTS:
         if name in a["host_syncs"] or name in b["host_syncs"]:
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing (the first compiles)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="time the steps only (no profiled steps, no event tables)")
+    ap.add_argument("--trace", default=None, help="a folder: each arm's profiled steps as a Chrome trace")
     ap.add_argument("--child", default=None, choices=list(ARMS), help=argparse.SUPPRESS)
     raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw)

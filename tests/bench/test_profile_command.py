@@ -29,3 +29,19 @@ def test_both_arms_profile_the_commands_steps(tmp_path, capsys):
     assert result["diffs"]["count"] and len(result["diffs"]["host_us"]) <= 4
     text = capsys.readouterr().out
     assert "fp8 / bf16" in text and "the events that differ most" in text
+
+
+def test_timing_only_and_the_traces(tmp_path):
+    """``--no-profile`` times the steps and profiles none (no events, no busy time);
+    ``--trace`` writes each arm's Chrome trace of its profiled steps."""
+    base = ["--config", "defaults", "--steps", "1", "--warmup", "1", "--set", "model.num_layers=2",
+            "trainer.accelerator=cpu"]
+    timed = profile_command.main([*base, "--no-profile"])
+    for arm in timed["arms"].values():
+        assert arm["step_ms"] > 0 and arm["launches"] is None and arm["peak_mib"] is None
+    assert not any(timed["diffs"].values())
+    profile_command.main([*base, "--trace", str(tmp_path)])
+    for arm in ("fp8", "bf16"):
+        trace = json.loads((tmp_path / f"{arm}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert any(str(n).startswith("aten::") for n in names), arm
