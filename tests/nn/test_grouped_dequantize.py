@@ -172,3 +172,50 @@ def test_gpt_with_its_linears_swapped_for_torch_nn_linear_runs(compiled):
     loss = run(idx, tgt)
     loss.backward()
     assert torch.isfinite(loss) and model.blocks[0].attn.qkv.weight.grad is not None
+
+
+def _saved_weight_copies(device: str, layers: int) -> tuple[list[tuple], int]:
+    """Train steps of a ``layers``-deep GPT whose Linears compute in bf16 from FP8 weights, the
+    whole model under Inductor (the training command's compile): every tensor the compiled
+    forward saves for the backward that is a 16-bit copy of a weight (its shape, flat or
+    transposed); and the number of FP8 weights."""
+    cfg = dict(CFG, num_layers=layers)
+    torch.manual_seed(0)
+    with fs.fp8_model_init():
+        model = GPT(GPTConfig(**cfg)).to(device)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.fp8_compute = False
+    x, y = (t.to(device) for t in _batch())
+    saved: list[tuple] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        weightlike = tuple(t.shape) in WEIGHT_SHAPES or t.numel() == BLOCK_NUMEL
+        if t.is_floating_point() and t.element_size() > 1 and weightlike:
+            saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    torch._dynamo.reset()
+    step = torch.compile(model)
+    for _ in range(2):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(device, torch.bfloat16), fs.fp8_autocast():
+                loss = step(x, y)
+        loss.backward()
+    return saved, sum(isinstance(p, fs.Float8Tensor) for p in model.parameters())
+
+
+def test_the_deep_compiled_gpt_saves_no_16_bit_weight_copy():
+    """Through Inductor itself, 12 blocks deep: the backward recomputes the dequantized weights
+    (the checkpoint's ops must be recomputed, not only preferred), on the CPU."""
+    saved, n = _saved_weight_copies("cpu", 12)
+    assert n == 48 and saved == [], f"16-bit weight copies saved for the backward: {saved}"
+
+
+@pytest.mark.gpu
+def test_the_deep_compiled_gpt_saves_no_16_bit_weight_copy_on_the_gpu():
+    """The same on CUDA, where a plain checkpoint left the partitioner free to keep the copies
+    (the 125M command's FP8 peak was above bf16's by them, H100, torch 2.11)."""
+    saved, n = _saved_weight_copies("cuda", 12)
+    assert n == 48 and saved == [], f"16-bit weight copies saved for the backward: {saved}"

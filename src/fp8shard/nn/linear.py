@@ -17,11 +17,13 @@ tensor of the weight's nominal dtype.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fp8shard.fp8.formats import Fp8Format
 from fp8shard.fp8.fused import quantize_current, quantize_with_scale
@@ -188,9 +190,12 @@ class _LinearFromFp8Weight(torch.autograd.Function):
 #     step is host-bound there (docs/performance.md, section 10). ``dequantize_weights`` takes
 #     the layers of one block and, while compiling, dequantizes their per-tensor FP8 weights
 #     together: one ``torch.cat`` of the four dequantized weights, which Inductor lowers to one
-#     kernel (a pointwise cat: up to 8 inputs), inside an activation checkpoint, so that the
-#     backward recomputes the cat from the bytes instead of keeping the 16-bit copies (without
-#     the checkpoint the partitioner saves them: 2 B per weight). The checkpointed region
+#     kernel (a pointwise cat: up to 8 inputs), inside an activation checkpoint whose ops are
+#     all MUST_RECOMPUTE, so that the backward recomputes the cat from the bytes instead of
+#     keeping the 16-bit copies (2 B per weight). A plain checkpoint is not enough: under
+#     compile it only marks its ops PREFER_RECOMPUTE, and on CUDA with torch 2.11 the
+#     partitioner kept every block's copies of the 125M GPT (its FP8 peak above bf16's by them,
+#     H100). The checkpointed region
 #     returns Wᵀ and each layer multiplies by it directly (``Linear.forward(x, dequantized_t=...)``,
 #     ``_linear_t``: the addmm / mm that ``F.linear`` runs): given W and calling ``F.linear``,
 #     the partitioner saved the transpose made outside the region. Same bits as the per-layer
@@ -219,6 +224,29 @@ class _DequantizeGroup(torch.autograd.Function):
 def _transposed_weights(dtype: torch.dtype, *ws: Float8Tensor) -> list[torch.Tensor]:
     """Wᵀ of each of ``ws`` in ``dtype``: the checkpointed region ([Note: grouped dequantize])."""
     return [v.view(w.shape).t() for v, w in zip(_DequantizeGroup.apply(dtype, *ws), ws, strict=True)]
+
+
+class _QuietRecompute(logging.Filter):
+    """Drops torch's once-per-process warning that a checkpoint given a ``context_fn`` under
+    torch.compile must hold no in-place op: the grouped dequantize's region holds none (a cat of
+    dequantized weights), and the warning would reach every compiled training run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QuietRecompute())
+
+
+def _must_recompute(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _always_recompute() -> tuple[object, object]:
+    """The checkpoint's contexts: every op of the region recomputed in the backward, never saved
+    ([Note: grouped dequantize]: a plain checkpoint only prefers recomputation, and the
+    partitioner kept the 16-bit weights of the 125M GPT on the GPU)."""
+    return create_selective_checkpoint_contexts(_must_recompute)
 
 
 def _linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -259,7 +287,7 @@ def dequantize_weights(layers: Sequence[Linear]) -> list[torch.Tensor | None]:
     if any(w.dtype != weights[0].dtype for w in weights):
         return out
     wts = torch.utils.checkpoint.checkpoint(_transposed_weights, dtype, *weights, use_reentrant=False,
-                                            preserve_rng_state=False)
+                                            preserve_rng_state=False, context_fn=_always_recompute)
     for i, wt in zip(which, wts, strict=True):
         out[i] = wt
     return out
