@@ -115,6 +115,13 @@ if want profile; then
   # the 125M command's own steps under the profiler, FP8-stored weights against bf16 ones
   run $py benchmarks/profile_command.py --set trainer.accelerator=gpu --out "$OUT/profile_command.json" \
     2>&1 | tail -60
+  # the same steps timed only, at the preset's micro-batch and at 16 (the step is host-bound)
+  for mbs in 8 16; do
+    run $py benchmarks/profile_command.py --no-profile --steps 8 --set trainer.accelerator=gpu \
+      model.micro_batch_size=$mbs --out "$OUT/command_mbs$mbs.json" 2>&1 | grep -v Warn | tail -9
+  done
+  # the flat engine's gradient hook against autograd's own accumulation, on the GPU's host
+  run $py benchmarks/bench_grad_hooks.py --device cuda --out "$OUT/grad_hooks.json" 2>&1 | tail -5
 fi
 if want engines; then
   # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2

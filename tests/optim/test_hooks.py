@@ -103,3 +103,39 @@ def test_lazy_zeroing_gives_the_bits_of_zero_then_add():
     for rb, want in zip(regions, expected, strict=True):
         assert torch.equal(rb.grad_buffer.view(torch.int32), want.view(torch.int32))
     assert any(rb.layout.numel > rb.layout.param_numel for rb in regions)  # padding was checked
+
+
+def test_strided_and_cast_gradients_land_in_row_major_order():
+    """A gradient arrives as autograd made it: a transposed (non-contiguous) 2-D tensor, in
+    another dtype than the bucket's, or still attached to a graph (``create_graph``). Each slot,
+    shaped as its parameter, receives the gradient's values in the parameter's row-major order,
+    cast to the bucket's dtype, with the bits of zero then add; the bucket keeps no graph."""
+    shapes = [(3, 5), (4, 2), (6,)]
+    params = {i: nn.Parameter(torch.zeros(s)) for i, s in enumerate(shapes)}
+    specs = [ParamSpec(i, params[i].numel(), torch.float32) for i in reversed(range(3))]
+    regions = [RegionBuffers(lay, 0, torch.device("cpu"), torch.bfloat16, torch.float32)
+               for lay in build_layout(specs, world_size=1, bucket_numel=64, alignment=1)]
+    sync = GradSync(regions, params, _RecordingGroup(regions), overlap=True)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    g0 = torch.randn(5, 3, generator=gen).t()  # (3, 5), not contiguous
+    g1a, g1b = torch.randn(4, 2, generator=gen), torch.randn(2, 4, generator=gen).t()
+    w = torch.randn(6, generator=gen, requires_grad=True)
+    g2 = w * 2  # attached to a graph, as under create_graph=True
+    sync.enabled = False
+    params[1].grad = g1a
+    sync.accumulate(1, params[1])
+    sync.enabled = True
+    for i, g in [(0, g0), (1, g1b), (2, g2)]:
+        params[i].grad = g
+        sync.accumulate(i, params[i])
+        assert params[i].grad is None
+    rb = regions[0]
+    expect = {0: g0.contiguous().reshape(-1).to(torch.bfloat16),
+              1: (torch.add(g1a.reshape(-1).to(torch.bfloat16), 0).float()
+                  + g1b.contiguous().reshape(-1)).to(torch.bfloat16),  # added in fp32, then rounded
+              2: g2.detach().reshape(-1).to(torch.bfloat16)}
+    for i, want in expect.items():
+        r = rb.ranges[i]
+        got = rb.grad_buffer[r.start:r.end]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), i
+    assert not rb.grad_buffer.requires_grad and rb.grad_buffer.grad_fn is None

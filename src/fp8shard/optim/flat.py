@@ -97,6 +97,7 @@ class GradSync:
             self._region_params.setdefault(ri, []).append(i)
         self._views: dict[BucketKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[int, torch.Tensor] = {}
+        self._shapes = {i: p.shape for i, p in params.items()}
         self.handles: dict[BucketKey, Handle] = {}
         self.missing: dict[BucketKey, set[int]] = {}
         self.reset()  # the gradient storage waits for the first backward ([Note: gradient regions])
@@ -130,8 +131,8 @@ class GradSync:
         grad = rb.grad_buffer
         for k in self._region_keys.get(ri, []):
             self._views[k] = (rb.shard(grad, k[1]), rb.bucket(grad, k[1]))
-        for i in self._region_params.get(ri, []):
-            self._slots[i] = rb.grad_slot(i)
+        for i in self._region_params.get(ri, []):  # shaped as the parameter: its gradient adds as is
+            self._slots[i] = rb.grad_slot(i).view(self._shapes[i])
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -140,19 +141,24 @@ class GradSync:
         return hook
 
     def accumulate(self, index: int, p: torch.Tensor) -> None:
-        if p.grad is None:
+        # Runs for every parameter in every micro-batch: the host's time here is the step's
+        # (docs/performance.md, section 15), so no work beyond the add itself.
+        grad = p.grad
+        if grad is None:
             return
+        if grad.requires_grad:  # a create_graph backward: the bucket keeps values, not a graph
+            grad = grad.detach()
         ri, keys = self.where[index]
-        launched = [k for k in keys if k in self.handles]
-        if launched:
+        if self.handles and any(k in self.handles for k in keys):
             raise RuntimeError(
                 f"a second gradient for parameter {index} arrived after its bucket's reduce-scatter "
                 "started; accumulate micro-batches inside `with opt.no_sync():` (all but the last), "
                 "or call opt.step()/opt.zero_grad() between backward passes"
             )
-        if index not in self._slots:
+        slot = self._slots.get(index)
+        if slot is None:
             self._ensure(ri)
-        slot, grad = self._slots[index], p.grad.detach().reshape(-1)
+            slot = self._slots[index]
         if index in self.stale:
             torch.add(grad, 0, out=slot)
             self.stale.discard(index)
