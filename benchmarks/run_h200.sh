@@ -13,6 +13,8 @@
 #   profile        where a GPT step's time goes, and the Linear's and the cast's; the 125M command's
 #                  step, FP8-stored weights against bf16 (its host work, its own steps profiled); the 125M
 #                  micro-batch's host time, FP8-stored weights against bf16 ones
+#   command        the 125M command's steps timed, FP8-stored weights against bf16, at micro-batch 8 and 16;
+#                  the flat engine's gradient hook against autograd's own accumulation (about 4 minutes)
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   memory         where the step's peak memory goes at 1.3B (against torchao float8) and at 125M: each
 #                  phase's peak and what is live at the step's peak (compare_peers --memory-snapshot)
@@ -33,8 +35,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # torchao, carried as a wheel (no networ
 fi
 part="${1:-all}"
 case "$part" in
-  tests|micro|train|peers|peers-compile|reference|profile|engines|memory|parity|all) ;;
-  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, engines, memory, parity or all" >&2
+  tests|micro|train|peers|peers-compile|reference|profile|command|engines|memory|parity|all) ;;
+  *) echo "unknown part '$part': choose tests, micro, train, peers, peers-compile, reference, profile, command, engines, memory, parity or all" >&2
      exit 2 ;;
 esac
 py=python3
@@ -115,12 +117,14 @@ if want profile; then
   # the 125M command's own steps under the profiler, FP8-stored weights against bf16 ones
   run $py benchmarks/profile_command.py --set trainer.accelerator=gpu --out "$OUT/profile_command.json" \
     2>&1 | tail -60
-  # the same steps timed only, at the preset's micro-batch and at 16 (the step is host-bound)
+fi
+if want command; then
+  # The 125M command's steps timed (FP8-stored weights against bf16), at the preset's micro-batch
+  # and at 16 (the step is bound by the host there), and the gradient hook's host cost.
   for mbs in 8 16; do
     run $py benchmarks/profile_command.py --no-profile --steps 8 --set trainer.accelerator=gpu \
       model.micro_batch_size=$mbs --out "$OUT/command_mbs$mbs.json" 2>&1 | grep -v Warn | tail -9
   done
-  # the flat engine's gradient hook against autograd's own accumulation, on the GPU's host
   run $py benchmarks/bench_grad_hooks.py --device cuda --out "$OUT/grad_hooks.json" 2>&1 | tail -5
 fi
 if want engines; then

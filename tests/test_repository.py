@@ -26,8 +26,8 @@ def test_no_benchmark_imports_from_tests():
 def test_run_h200_parts_are_named_by_purpose():
     text = (ROOT / "benchmarks" / "run_h200.sh").read_text()
     parts = set(re.findall(r'^if want ([\w-]+); then', text, re.M))
-    assert parts == {"tests", "micro", "train", "peers", "peers-compile", "reference", "profile", "engines",
-                     "memory"}
+    assert parts == {"tests", "micro", "train", "peers", "peers-compile", "reference", "profile", "command",
+                     "engines", "memory"}
     assert 'if [ "$part" = parity ]; then' in text  # not in "all": it takes calls of its own
     assert not re.search(r"\b(round2a|round2b|final|peers16|speed)\b", text)
 
