@@ -23,7 +23,6 @@ rounds: the machines are shared) and the engine's extra microseconds per paramet
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from fp8shard.optim import DistributedFusedAdam
+from timing import write_json
 
 
 def _backward_ms(params: list[torch.nn.Parameter], reps: int, device: str) -> float:
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'autograd (.grad in place)':28s} {ms['autograd']:9.3f}")
     print(f"{'engine hooks (no_sync)':28s} {ms['engine']:9.3f}")
     print(f"engine extra per parameter: {out['engine_extra_us_per_param']:.2f} us")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
-        print(f"wrote {args.out}")
+    write_json(args.out, out)
     return out
 
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import host_and_wall_seconds, run_child
+from timing import host_and_wall_seconds, run_child, write_json
 
 ARMS = ("bf16", "fp8")
 PHASES = ("forward", "backward", "micro-batch", "optimizer", "step")
@@ -374,10 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "arms": {k: {kk: vv for kk, vv in v.items() if kk != "events"} for k, v in results.items()}}
     if args.profile:
         out["event_diffs"] = event_diffs(results, args.top)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
-        print(f"wrote {args.out}")
+    write_json(args.out, out)
     return out
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import run_child
+from timing import run_child, write_json
 
 ARMS = {"fp8": [], "bf16": ["model.fp8=false", "model.fp8_params=false"]}
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -182,10 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
            "arms": {k: {kk: vv for kk, vv in v.items() if kk != "events"} for k, v in results.items()},
            "diffs": d}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
-        print(f"wrote {args.out}")
+    write_json(args.out, out)
     return out
 
 

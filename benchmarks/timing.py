@@ -85,3 +85,11 @@ def run_child(script: str, argv: list[str], name: str) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"arm {name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """A benchmark's result as JSON at ``path`` (``--out``; nothing when None), and say where."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {path}")
