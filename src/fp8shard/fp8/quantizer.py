@@ -397,6 +397,20 @@ class _Group(NamedTuple):
     """int64: the group's slots, in order (the quantizer's columns)."""
 
 
+class _ScaleStage:
+    """``set_scale_inv``'s per-call state for one set of weights, made once: the slots to pick
+    and two fp32 staging buffers with views shaped like the weights' ``_scale_inv``s."""
+
+    def __init__(self, spans: list[tuple[int, int]], shapes: list[torch.Size], device: torch.device) -> None:
+        self.idx = torch.cat([torch.arange(s, s + k) for s, k in spans]).to(device)
+        self.new = torch.empty(self.idx.numel(), dtype=torch.float32, device=device)
+        self.old = torch.empty_like(self.new)
+        self.new_views = [v.view(shape) for v, shape in zip(self.new.split([k for _, k in spans]), shapes,
+                                                                 strict=True)]
+        self.old_views = [v.view(shape) for v, shape in zip(self.old.split([k for _, k in spans]), shapes,
+                                                                 strict=True)]
+
+
 class WeightQuantizers:
     """The quantizers of an optimizer's FP8 weights, and their scales ([Note: weight scaling]).
 
@@ -462,7 +476,7 @@ class WeightQuantizers:
         # Start from each weight's own scale (its init amax), not 1 (ANCHORS.md: TE 1121).
         init = [params[i]._scale_inv.float().reciprocal().reshape(-1).to(device) for i in self.slot]
         self.scale = torch.cat(init) if init else torch.zeros(0, device=device)
-        self._ready: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        self._ready: dict[tuple[int, ...], _ScaleStage] = {}
         # The leading slots a step MAX-reduces over the group: all of them here (the flat engine's
         # ranks hold pieces of the weights); an engine whose ranks hold whole tiles reduces fewer.
         self.reduced_slots = n
@@ -507,19 +521,23 @@ class WeightQuantizers:
         """Give ``params`` (their bytes just gathered) their slots of ``scale_inv`` (the inverse
         of ``cast_scales``'s result) in one batched copy, and drop their cached transposes.
         ``apply`` (0-d bool): where False each keeps its own (the step was skipped on the device
-        and its bytes did not change, [Note: skip on the device])."""
-        key = tuple(params)
-        hit = self._ready.get(key)
-        if hit is None:
-            spans = [self.span[i] for i in key]
-            idx = torch.cat([torch.arange(s, s + k) for s, k in spans]).to(scale_inv.device)
-            hit = self._ready[key] = (idx, [k for _, k in spans])
+        and its bytes did not change, [Note: skip on the device]).
+
+        The per-call host work is a handful of batched ops whatever the number of weights: the
+        slot indices and two staging buffers (with views shaped like the weights' scales) are
+        made once per set of weights; a step gathers the new scales into one, the weights'
+        current ones into the other (for ``apply``), and copies back with one foreach copy."""
+        stage = self._ready.get(tuple(params))
+        if stage is None:
+            stage = self._ready[tuple(params)] = _ScaleStage(
+                [self.span[i] for i in params], [p._scale_inv.shape for p in params.values()],
+                scale_inv.device)
         dst = [p._scale_inv for p in params.values()]
-        picked = scale_inv.index_select(0, hit[0])
+        torch.index_select(scale_inv, 0, stage.idx, out=stage.new)
         if apply is not None:
-            picked = torch.where(apply, picked, torch.cat([d.reshape(-1).float() for d in dst]))
-        new = picked.split(hit[1])
-        torch._foreach_copy_(dst, [v.view(d.shape) for v, d in zip(new, dst, strict=True)])
+            torch._foreach_copy_(stage.old_views, dst)
+            torch.where(apply, stage.new, stage.old, out=stage.new)
+        torch._foreach_copy_(dst, stage.new_views)
         for p in params.values():
             p.mark_bytes_changed()  # drops the cached transpose (TE 1596)
 

@@ -224,6 +224,15 @@ class ParamSync:
                          for ri, rb in enumerate(regions) for b in rb.layout.buckets]
         self.pending: dict[BucketKey, Handle] = {}
         self.modules: list[RemovableHandle] = []
+        # What ``wait`` hands to ``on_params_ready`` when every gather is waited at once (the
+        # step without overlap_param_sync, or the first wait after it): worked out once here,
+        # so that such a wait costs no Python per parameter.
+        left = {key for key, _, _ in self._gathers}
+        self._every_param: list[int] = []
+        for key, _, _ in self._gathers:
+            left.discard(key)
+            self._every_param.extend(i for i in self.bucket_params.get(key, [])
+                                     if not any(k in left for k in self.where[i][1]))
 
     def launch_all(self) -> None:
         for key, bucket, kind in self._gathers:
@@ -242,6 +251,11 @@ class ParamSync:
             self.on_params_ready(ready)
 
     def wait_all(self) -> None:
+        if self.pending and len(self.pending) == len(self._gathers):
+            for key in [key for key, _, _ in self._gathers]:
+                self.pending.pop(key).wait()
+            self.on_params_ready(self._every_param)
+            return
         self.wait(list(self.pending))
 
     def register_module(self, module: nn.Module, index_of: dict[int, int]) -> int:
@@ -316,19 +330,20 @@ class FlatEngine:
         for rb in self.regions:
             rb.init_master(hp)
             rb.attach(params_by_index)
+        # (index, parameter, is FP8, where its bytes start in the buffer): ``begin_step`` checks
+        # that each parameter still lives there.
+        self._homes = [(i, p, isinstance(p, Float8Tensor),
+                        (p._data if isinstance(p, Float8Tensor) else p).data_ptr())
+                       for i, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
-        for rb in self.regions:
-            ptr = rb.param_buffer.untyped_storage().data_ptr()
-            for pr in rb.layout.params:
-                p = self.params[pr.index]
-                data = p._data if isinstance(p, Float8Tensor) else p.data
-                if data.untyped_storage().data_ptr() != ptr:
-                    raise RuntimeError(
-                        f"parameter {pr.index} no longer lives in the optimizer's buffer (its .data "
-                        "was replaced, e.g. by model.to() or load_state_dict(assign=True)); copy "
-                        "values in place (param.copy_) or build the optimizer afterwards")
+        for index, p, fp8, ptr in self._homes:  # one pointer read per parameter
+            if (p._data if fp8 else p).data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {index} no longer lives in the optimizer's buffer (its .data "
+                    "was replaced, e.g. by model.to() or load_state_dict(assign=True)); copy "
+                    "values in place (param.copy_) or build the optimizer afterwards")
         if self.overlap_param_sync and not self.param_sync.modules:
             raise RuntimeError("overlap_param_sync=True needs forward pre-hooks to wait for the "
                                "parameters: pass module=model or call opt.register_module(model)")

@@ -18,8 +18,9 @@
       and its token ids; a token file is read window by window, never loaded whole).
 
     CPU runs compare the sum over this machine's ranks (``LOCAL_WORLD_SIZE``) with its physical
-    memory (``os.sysconf``); GPU runs compare each rank's device bytes with its GPU's memory
-    (``torch.cuda.mem_get_info``) and the host bytes with the physical memory. It is an
+    memory (``os.sysconf``), or the memory limit of its container (its cgroup's, v1 or v2) where
+    that is smaller; GPU runs compare each rank's device bytes with its GPU's memory
+    (``torch.cuda.mem_get_info``) and the host bytes with that same host limit. It is an
     estimate (allocator overheads, temporaries and the framework itself come on top), meant to
     turn a config that cannot fit -- a typo'd width, a batch of a million -- into one line naming
     the keys before minutes of start-up end in the OOM killer; a run that fits the estimate can
@@ -149,6 +150,65 @@ def physical_memory() -> int | None:
         return None
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_memory_limit(root: str | None = None, proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process's control group may use (a container's memory limit), or None where
+    none is set or none can be read.
+
+    cgroup v2: ``memory.max`` of the process's group (``0::/PATH`` in ``/proc/self/cgroup``) and
+    of every group above it; cgroup v1: ``memory.limit_in_bytes`` of its ``memory`` group and
+    those above. The smallest limit on the way up holds. "max", and v1's "no limit" (a value
+    near 2**63), are no limit. Where the group's own directory is not mounted (a container sees
+    its group as the root), the root's files are read.
+    """
+    root = CGROUP_ROOT if root is None else root
+    try:
+        with open(proc_cgroup) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        lines = []
+    groups: list[tuple[str, str]] = []  # (mount point, group path)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            groups.append((root, path))
+        elif "memory" in controllers.split(","):
+            groups.append((os.path.join(root, "memory"), path))
+    limits = []
+    for mount, path in groups or [(root, "/")]:
+        name = "memory.max" if mount == root else "memory.limit_in_bytes"
+        rel = path.strip("/")
+        dirs = []
+        while True:
+            dirs.append(os.path.join(mount, rel) if rel else mount)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+        for d in dirs:
+            try:
+                with open(os.path.join(d, name)) as fh:
+                    text = fh.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 2**62:
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def memory_limit() -> tuple[int | None, str]:
+    """The memory a CPU run may use: the machine's RAM or its control group's limit, whichever
+    is smaller, and where that figure comes from (for the message)."""
+    ram, limit = physical_memory(), cgroup_memory_limit()
+    if limit is not None and (ram is None or limit < ram):
+        return limit, "memory limit of this container (cgroup)"
+    return ram, "RAM (os.sysconf)"
+
+
 def gpu_memory(local_rank: int) -> int | None:
     """Bytes of this rank's GPU (``torch.cuda.mem_get_info``), or None without CUDA."""
     import torch
@@ -189,7 +249,7 @@ def check_memory(cfg: Config, world_size: int, vocab_size: int | None = None,
         vocab_size = 256 if d.source == "text" and d.tokenizer is None else d.vocab_size
     est = estimate(cfg, world_size, vocab_size, on_gpu)
     local = int(env.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-    ram = physical_memory()
+    ram, source = memory_limit()
     if on_gpu:
         gpu = gpu_memory(int(env.get("LOCAL_RANK", "0") or 0))
         if gpu is not None and est.device_total > gpu:
@@ -205,7 +265,7 @@ def check_memory(cfg: Config, world_size: int, vocab_size: int | None = None,
         ranks = f" ({_fmt(need // local)} per rank x {local} ranks on this machine)" if local > 1 else ""
         raise ConfigError(
             f"the run needs about {_fmt(need)} of memory{ranks}, more than "
-            f"this machine's {_fmt(ram)} of RAM (os.sysconf); the largest part: {_largest(parts)}: make "
+            f"this machine's {_fmt(ram)} of {source}; the largest part: {_largest(parts)}: make "
             "those smaller (docs/reliability.md, 'memory budget')")
     return est
 
