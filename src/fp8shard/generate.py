@@ -4,8 +4,10 @@
 model and its tokenizer come from the run (``fp8shard.pretrained``). Sampling: softmax of the
 last position's logits divided by ``--temperature`` (0: always the most likely token), kept to
 the ``--top-k`` most likely ids, drawn with a ``torch.Generator`` seeded by ``--seed``, so the
-same command prints the same text. The context is cut to the model's last
-``max_position_embeddings`` tokens; a BPE's end-of-text token ends a sample.
+same command prints the same text. Each token runs only itself through the model, with the
+keys and values of the tokens before it kept ([Note: KV cache] in models/gpt.py; ``--no-kv-cache``
+runs the whole context every time: the same tokens, slower). The context is cut to the model's
+last ``max_position_embeddings`` tokens; a BPE's end-of-text token ends a sample.
 
 ``--precision fp32`` (default) computes with the FP32 master weights and no FP8, as an export
 does; ``--precision trained`` the way the run computed (FP8 weights and GEMMs, bf16 autocast).
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp8shard.models import GPT
+from fp8shard.models import GPT, KVCache
 from fp8shard.pretrained import Pretrained, PretrainedError, open_pretrained
 
 PROG = "python -m fp8shard.generate"
@@ -31,11 +33,13 @@ PROG = "python -m fp8shard.generate"
 def sample(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
            top_k: int | None = None, seed: int = 0, stop_id: int | None = None,
            vocab_limit: int | None = None,
-           context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> list[int]:
+           context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+           use_cache: bool = True) -> list[int]:
     """``prompt`` followed by up to ``max_new_tokens`` sampled ids (fewer if ``stop_id`` comes).
 
     ``vocab_limit``: never sample ids at or past it (the padding rows of a vocabulary larger
-    than the tokenizer's). Deterministic for a given ``seed``.
+    than the tokenizer's). Deterministic for a given ``seed``. ``use_cache``: keep the keys and
+    values of the tokens so far ([Note: KV cache]); False runs the whole context every token.
     """
     if not prompt:
         raise ValueError("the prompt needs at least one token")
@@ -45,9 +49,19 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: f
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     window = model.config.max_position_embeddings
+    # [Note: KV cache]: each call runs only the new token while the context fits the positions;
+    # past them the last window runs whole, every call (its positions shift by one each time).
+    cache = KVCache(model.config) if use_cache and ids.shape[1] < window else None
+    fed = 0  # tokens of ids the cache holds
     for _ in range(max_new_tokens):
+        if cache is not None and ids.shape[1] > window:
+            cache = None
         with context():
-            logits = model(ids[:, -window:])[:, -1, :].float()
+            if cache is None:
+                logits = model(ids[:, -window:])[:, -1, :].float()
+            else:
+                logits = model(ids[:, fed:], cache=cache)[:, -1, :].float()
+                fed = ids.shape[1]
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")
         if temperature == 0:
@@ -109,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="override the run's tokenizer: a tokenizers JSON file, bytes, or none")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="run the whole context for every token (the same tokens, slower; to compare)")
     return p
 
 
@@ -136,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k or None, seed=args.seed + i,
                      stop_id=None if pre.tokenizer is None else pre.tokenizer.eot_id,
-                     vocab_limit=None if pre.tokenizer is None else pre.tokenizer.vocab_size, context=ctx)
+                     vocab_limit=None if pre.tokenizer is None else pre.tokenizer.vocab_size, context=ctx,
+                     use_cache=not args.no_kv_cache)
         if i:
             print("-" * 40)
         if tok is None:

@@ -106,8 +106,10 @@ class Attention(nn.Module):
         self.proj = Linear(*reversed(shapes["proj"]), bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                weights: Sequence[torch.Tensor | None] = (None, None)) -> torch.Tensor:
-        """``weights``: Wᵀ of qkv and proj dequantized, or None ([Note: grouped dequantize])."""
+                weights: Sequence[torch.Tensor | None] = (None, None),
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """``weights``: Wᵀ of qkv and proj dequantized, or None ([Note: grouped dequantize]).
+        ``cache``: this layer's keys and values of the tokens before ``x`` ([Note: KV cache])."""
         b, t, c = x.shape
         h, d = self.cfg.num_attention_heads, self.cfg.head_dim
         # (B, T, 3C) -> 3 x (B, H, T, D)
@@ -115,8 +117,68 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
         p = self.cfg.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if cache is None or cache.length == 0:
+            if cache is not None:
+                cache.append(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:  # token i of x sits at position start + i and sees every key up to it
+            start = cache.length
+            k, v = cache.append(k, v)
+            mask = None
+            if t > 1:
+                mask = (torch.arange(start + t, device=x.device)[None, :]
+                        <= torch.arange(start, start + t, device=x.device)[:, None])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return _linear(self.proj, y.transpose(1, 2).reshape(b, t, c), weights[1])
+
+
+class LayerCache:
+    """One layer's keys and values of the tokens seen so far, (B, H, max_len, D) each, filled
+    from the start, in the dtype the layer computes them in ([Note: KV cache])."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys and values; return every key and value so far."""
+        if self.k is None or self.v is None:  # made on first use, in the dtype computed
+            b, h, _, d = k.shape
+            self.k = k.new_empty(b, h, self.max_len, d)
+            self.v = v.new_empty(b, h, self.max_len, d)
+        end = self.length + k.shape[2]
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Every layer's keys and values for incremental decoding: ``GPT.forward(idx, cache=...)``
+    takes the next tokens only.
+
+    [Note: KV cache]
+        Sampling asks for the next token's logits after every token. Without a cache each call
+        runs the whole context again (quadratic in its length); with one, a call runs only the
+        new tokens, their queries attending the cached keys and values of the tokens before
+        (positions continue from ``length``: the learned table's rows, the rotary tables'). Up to
+        ``max_position_embeddings`` tokens; past that the model has no positions left, and the
+        sampler (``fp8shard.generate.sample``) goes back to running the last window whole. The
+        logits equal the uncached model's up to the float rounding of the different shapes
+        (tested). The cache holds ``2 * layers * batch * max_len * hidden`` elements of the
+        dtype the attention computes in, allocated at the first call.
+    """
+
+    def __init__(self, config: GPTConfig, max_len: int | None = None) -> None:
+        self.max_len = max_len or config.max_position_embeddings
+        self.layers = [LayerCache(self.max_len) for _ in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far (the position of the next one)."""
+        return self.layers[0].length if self.layers else 0
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, dequantized_t: torch.Tensor | None) -> torch.Tensor:
@@ -157,10 +219,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         # The block's FP8-stored weights that compute in bf16, in one kernel under compile.
         w = dequantize_weights((self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2))
-        x = x + self.dropout(self.attn(self.norm1(x), rotary, w[:2]))
+        x = x + self.dropout(self.attn(self.norm1(x), rotary, w[:2], cache))
         return x + self.dropout(self.mlp(self.norm2(x), w[2:]))
 
 
@@ -235,28 +298,43 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ------------------------------------------------------------------ forward
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """idx: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy with targets.
+        ``cache``: ``idx`` continues the tokens the cache holds (and is added to it), [Note: KV
+        cache].
 
         Three parts, each a method so that it can be compiled as a region of its own
         (``compile_regions``): ``embed``, the blocks, ``head``.
         """
-        x, rotary = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, rotary)
+        if cache is None:
+            x, rotary = self.embed(idx)
+            for block in self.blocks:
+                x = block(x, rotary)
+            return self.head(x, targets)
+        start = cache.length
+        x, rotary = self.embed(idx, start, limit=cache.max_len)
+        for block, layer in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, rotary, layer)
         return self.head(x, targets)
 
-    def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Token (+ learned position) embeddings of idx (B, T); the rotary tables if any."""
+    def embed(self, idx: torch.Tensor, start: int = 0, limit: int | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Token (+ learned position) embeddings of idx (B, T) at positions ``start`` onwards; the
+        rotary tables if any."""
         cfg = self.config
         t = idx.shape[1]
-        if t > cfg.max_position_embeddings:
-            raise ValueError(f"sequence of {t} tokens is longer than max_position_embeddings "
+        end = start + t
+        if end > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {end} tokens is longer than max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
+        if limit is not None and end > limit:
+            raise ValueError(f"the KV cache holds {limit} positions, {end} tokens do not fit: "
+                             "make it with a larger max_len")
         x = self.wte(idx)
         if self.wpe is not None:
-            return x + self.wpe(torch.arange(t, device=idx.device)), None
-        return x, (self.rope_cos[:t], self.rope_sin[:t])
+            return x + self.wpe(torch.arange(start, end, device=idx.device)), None
+        return x, (self.rope_cos[start:end], self.rope_sin[start:end])
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and output layer: logits (B, T, V), or with targets the mean cross-entropy,
