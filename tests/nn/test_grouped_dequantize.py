@@ -207,10 +207,11 @@ def _saved_weight_copies(device: str, layers: int) -> tuple[list[tuple], int]:
 
 
 def test_the_deep_compiled_gpt_saves_no_16_bit_weight_copy():
-    """Through Inductor itself, 12 blocks deep: the backward recomputes the dequantized weights
-    (the checkpoint's ops must be recomputed, not only preferred), on the CPU."""
-    saved, n = _saved_weight_copies("cpu", 12)
-    assert n == 48 and saved == [], f"16-bit weight copies saved for the backward: {saved}"
+    """Through Inductor itself, the whole model one graph: the backward recomputes the dequantized
+    weights (the checkpoint's ops must be recomputed, not only preferred), on the CPU. Four blocks
+    (the GPU twin below takes the 125M preset's 12; Inductor on the CPU compiles 12 in ~3x the time)."""
+    saved, n = _saved_weight_copies("cpu", 4)
+    assert n == 16 and saved == [], f"16-bit weight copies saved for the backward: {saved}"
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ and blockwise quantizers build on this in ``fp8/tiled.py``, the recipes and thei
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -125,7 +126,9 @@ def scale_from_amax(
     amax = amax.float()
     scale = (fmt_max / amax) / (2.0**margin)
     prev = torch.ones_like(amax) if prev_scale is None else prev_scale.float()
-    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
+    # isfinite(amax) & amax > 0 & isfinite(scale) & scale > 0, in four comparisons (NaN fails
+    # each; torch.isfinite is three kernels of its own on CUDA, and this runs in every step)
+    ok = (amax > 0) & (amax < math.inf) & (scale > 0) & (scale < math.inf)
     return torch.where(ok, scale, prev)
 
 

@@ -165,7 +165,7 @@ class ShardedAdam(torch.optim.Optimizer):
             local[0] = engine.kernel.grad_sumsq(shards)
             local[1].fill_(float(any_here))  # a fill kernel: assigning a number would copy from the host
             engine.group.all_reduce(local, "sum", kind="all_reduce.grad_stats")
-            apply = torch.isfinite(local[0]) & (local[1] > 0)
+            apply = (local[0] < math.inf) & (local[1] > 0)  # a sum of squares: finite iff < inf
             ready = None
             stats = local
             if local.is_cuda:  # read on the host later, without waiting ([Note: skip on the device])
