@@ -13,7 +13,10 @@ CPU mode: the GPT at hidden size ``--width`` (same tensors, small ones) with the
 region caps scaled by its size, so that its buffers split as the 125M model's do (11 buckets, 2
 regions). The fused step's Triton kernels are replaced by a stub that counts its launches:
 what is left is the step's host work, its Python and the PyTorch ops around the kernels (on
-tensors this small their compute is a few microseconds). Reported per step: host ms (median of
+tensors this small their compute is a few microseconds). ``--recipe rowwise|blockwise``: the FP8
+weights keep row or block scales, which the fused step does not serve, so the step runs the
+reference kernel (PyTorch ops, on the GPU as here); its ops then compute on the CPU, so its host
+ms includes that compute, and its PyTorch op count is the measure. Reported per step: host ms (median of
 ``--reps``, the best of ``--rounds``), Python function calls (cProfile), PyTorch ops dispatched,
 kernel launches stubbed, and the functions with the most time (cProfile, cumulative).
 
@@ -39,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from timing import write_json
 
+TILED = ("rowwise", "blockwise")
 SHAPE_125M = dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
                   encoder_seq_length=1024, micro_batch_size=8)
 VOCAB_125M = 50304
@@ -87,7 +91,7 @@ def build_model(args: argparse.Namespace, fp8: bool = True) -> tuple[torch.nn.Mo
                      encoder_seq_length=16, micro_batch_size=1)
         vocab, device = 256, torch.device("cpu")
     ov = [f"model.{k}={v}" for k, v in shape.items()]
-    ov += ["model.fp8_recipe=current", f"trainer.accelerator={'gpu' if args.gpu else 'cpu'}"]
+    ov += [f"model.fp8_recipe={args.recipe}", f"trainer.accelerator={'gpu' if args.gpu else 'cpu'}"]
     if not fp8:
         ov += ["model.fp8=false", "model.fp8_params=false"]
     model = build(load_config(ov, validate_cfg=False), vocab, device)
@@ -109,9 +113,10 @@ def build(args: argparse.Namespace) -> tuple[Any, list[torch.nn.Parameter], Any]
     model, backward = build_model(args)
     params = list(model.parameters())
     scale = 1.0 if args.gpu else sum(p.numel() for p in params) / PARAMS_125M
+    kernel = "auto" if args.gpu or args.recipe in TILED else "fused"  # tiled weights: the reference
     opt = DistributedFusedAdam(params, lr=1e-4, weight_decay=0.1, bucket_cap_mb=25 * scale,
-                               region_cap_mb=256 * scale, step_kernel="auto" if args.gpu else "fused")
-    if not args.gpu:
+                               region_cap_mb=256 * scale, step_kernel=kernel)
+    if kernel == "fused":
         opt.engine.kernel.triton = True  # the stub stands in for the kernels
     return opt, params, backward
 
@@ -128,8 +133,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         opt, params, backward = build(args)
         regions = opt.engine.regions
         out: dict[str, Any] = {
-            "params": len(params), "fp8_weights": opt.engine.fp8.num_slots, "regions": len(regions),
+            "params": len(params), "fp8_weights": len(opt.engine.fp8.slot),
+            "fp8_scales": opt.engine.fp8.num_slots, "regions": len(regions),
             "buckets": sum(len(rb.layout.buckets) for rb in regions),
+            "step_kernel": type(opt.engine.kernel).__name__, "recipe": args.recipe,
             "numel": sum(p.numel() for p in params)}
         for _ in range(5):
             backward()
@@ -189,7 +196,7 @@ def _timed(step: Any, backward: Any, reps: int) -> dict[str, float]:
 
 def gpu(args: argparse.Namespace) -> dict[str, Any]:
     opt, params, backward = build(args)
-    out: dict[str, Any] = {"params": len(params), "fp8_weights": opt.engine.fp8.num_slots}
+    out: dict[str, Any] = {"params": len(params), "fp8_weights": len(opt.engine.fp8.slot)}
 
     def fused() -> None:
         _step(opt)
@@ -214,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpu", action="store_true", help="the 125M model on one CUDA device, real kernels")
     ap.add_argument("--width", type=int, default=64, help="hidden size (CPU mode)")
+    ap.add_argument("--recipe", default="current", choices=("current", "delayed", *TILED),
+                    help="the FP8 weights' recipe (rowwise, blockwise: the reference step kernel, which "
+                         "the fused step does not serve; on the CPU its ops then compute)")
     ap.add_argument("--reps", type=int, default=None, help="timed steps (default 50 CPU, 30 GPU)")
     ap.add_argument("--rounds", type=int, default=3, help="CPU mode: repeats, the best median taken")
     ap.add_argument("--top", type=int, default=12, help="functions listed (CPU mode)")
@@ -232,8 +242,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"| {name} | {res[name]['host_ms']:.3f} | {res[name]['wall_ms']:.3f} |")
     else:
         res.update(cpu(args))
-        print(f"\n{res['params']} parameters ({res['fp8_weights']} FP8), {res['buckets']} buckets in "
-              f"{res['regions']} regions; fused step with its kernels stubbed, world size 1\n")
+        how = ("the fused step with its kernels stubbed" if res["step_kernel"] == "FusedKernel" else
+               f"the {res['step_kernel']} (its PyTorch ops compute)")
+        print(f"\n{res['params']} parameters ({res['fp8_weights']} FP8, {args.recipe}, {res['fp8_scales']} "
+              f"scales), {res['buckets']} buckets in {res['regions']} regions; {how}, world size 1\n")
         print("| host ms per step | Python calls | PyTorch ops | kernel launches |\n|---|---|---|---|")
         print(f"| {res['host_ms']:.3f} | {res['python_calls']} | {res['torch_ops']} | "
               f"{res['kernel_launches_stubbed']} |\n")

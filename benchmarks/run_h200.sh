@@ -15,7 +15,7 @@
 #                  micro-batch's host time, FP8-stored weights against bf16 ones
 #   command        the 125M command's steps timed, FP8-stored weights against bf16, at micro-batch 8 and 16;
 #                  the flat engine's gradient hook against autograd's own accumulation; the optimizer
-#                  step's host and wall time against torch's fused AdamW (about 5 minutes)
+#                  step's host and wall time against torch's fused AdamW, per-tensor and blockwise (about 6 minutes)
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   memory         where the step's peak memory goes at 1.3B (against torchao float8) and at 125M: each
 #                  phase's peak and what is live at the step's peak (compare_peers --memory-snapshot)
@@ -127,7 +127,9 @@ if want command; then
       model.micro_batch_size=$mbs --out "$OUT/command_mbs$mbs.json" 2>&1 | grep -v Warn | tail -9
   done
   run $py benchmarks/bench_grad_hooks.py --device cuda --out "$OUT/grad_hooks.json" 2>&1 | tail -5
-  run $py benchmarks/bench_step_host.py --gpu --out "$OUT/step_host.json" 2>&1 | tail -6
+  for recipe in current blockwise; do  # blockwise: the reference step kernel (tiled scales)
+    run $py benchmarks/bench_step_host.py --gpu --recipe $recipe --out "$OUT/step_host_$recipe.json" 2>&1 | tail -6
+  done
 fi
 if want engines; then
   # Issue 18: the FSDP2 engine within 5% of the flat engine, and against torchao float8 + FSDP2

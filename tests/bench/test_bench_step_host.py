@@ -25,12 +25,20 @@ def test_the_step_is_timed_counted_and_profiled(tmp_path, capsys):
     assert triton_adam.launch_adam is real
     # the 125M GPT's tensors, its FP8 weights, and its buffers' split (tests/train pins the preset)
     assert (res["params"], res["fp8_weights"], res["buckets"], res["regions"]) == (148, 48, 11, 2)
+    assert res["step_kernel"] == "FusedKernel" and res["fp8_scales"] == 48
     # kernel 1 on each region (the FP8 one and the other, one param group with weight decay and
     # one without in the other) and kernel 2's cast: the stub saw the fused step's launches
     assert res["kernel_launches_stubbed"] >= 3
     assert res["host_ms"] > 0 and res["python_calls"] > 0 and res["torch_ops"] > 0
     assert len(res["top"]) == 5 and res["top"][0]["function"].startswith("optim/")
     assert "Python calls" in capsys.readouterr().out
+
+
+def test_a_tiled_recipe_takes_the_reference_kernel_and_nothing_is_stubbed():
+    res = bench_step_host.main(["--recipe", "blockwise", "--reps", "2", "--rounds", "1", "--top", "3"])
+    assert res["step_kernel"] == "FlatReferenceKernel" and res["kernel_launches_stubbed"] == 0
+    assert res["fp8_weights"] == 48 and res["fp8_scales"] > 48  # a scale per 128x128 block
+    assert res["torch_ops"] > 0
 
 
 @pytest.mark.gpu
