@@ -103,3 +103,23 @@ def test_a_parameter_written_in_place_still_lives_in_the_buffer():
     (p * 2).sum().backward()
     opt.step()
     assert not opt.last_step_skipped
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_tiled_weights_of_any_shape_share_one_scales_call(recipe):
+    """Weights of three shapes with row or block scales: one quantizer group (one ``scales`` call
+    a step over every tile, a contiguous run of slots); each weight's step is still its own
+    recipe's quantization of its master (tests/optim/test_tiled_weights.py)."""
+    from fp8shard.fp8.tiled import tile_scales
+    from tests.optim import tiled_cases as tc
+
+    model = tc.build(recipe)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2)
+    fp8 = opt.engine.fp8
+    (group,) = fp8.groups
+    assert group.run == slice(0, fp8.num_slots) and fp8.num_slots > 3
+    amax = torch.rand(fp8.num_slots) * 10
+    amax[0], amax[-1] = 0.0, float("nan")  # the guards: scale 1 for both
+    scales = fp8.cast_scales(amax)
+    assert torch.equal(scales, tile_scales(amax, group.fmt))
+    assert scales[0] == 1 and scales[-1] == 1

@@ -398,6 +398,8 @@ class _Group(NamedTuple):
     fmt: Fp8Format
     slots: torch.Tensor
     """int64: the group's slots, in order (the quantizer's columns)."""
+    run: slice | None
+    """The same slots as a slice where they are one contiguous run (a view instead of a gather)."""
 
 
 class _ScaleStage:
@@ -419,8 +421,9 @@ class WeightQuantizers:
 
     One slot per per-tensor weight (ordered by index), then one per tile of each rowwise or
     blockwise one ([Note: tiled weight casts] in ``optim/fp8_weights.py``). Each weight's
-    quantizer is chosen once, here, for every recipe alike: per-tensor weights of one format
-    share one (a column each, one ``scales`` call for them all), a tiled weight has its own.
+    quantizer is chosen once, here, for every recipe alike: weights of one format share one (a
+    column each, one ``scales`` call for them all), the per-tensor ones, and the tiled ones by
+    their kind of tile (rows, or n x n blocks).
     A step takes every recipe through the same sequence: the engine's kernel computes each
     piece's ``local_stats`` of the new master, the optimizer all-reduces them (MAX, one packed
     call), ``cast_scales`` applies every quantizer's ``scales``, the kernel casts each piece
@@ -455,19 +458,24 @@ class WeightQuantizers:
         for i in [*order, *self.tiled]:
             self.slot[i], self.span[i] = n, (n, params[i]._scale_inv.numel())
             n += self.span[i][1]
-        # Per-tensor weights of one format share a quantizer (one ``scales`` call for them all);
-        # a tiled weight has its own.
+        # Weights of one format share a quantizer, one ``scales`` call for them all: the per-tensor
+        # ones, and the tiled ones by their kind of tile (rows, or n x n blocks), whose stateless
+        # quantizers take each tile's scale from its own amax whatever the weight's shape.
         members: dict[tuple[object, ...], list[int]] = {}
         for i in self.span:
             p = params[i]
-            members.setdefault(("tensor", p.fp8_format) if p.block is None else ("tiles", i), []).append(i)
+            kind = ("tensor",) if p.block is None else ("tiles", p.block[0] == 1 or p.block[0])
+            members.setdefault((*kind, p.fp8_format), []).append(i)
         self.groups: list[_Group] = []
         self._col: dict[int, tuple[Quantizer, int]] = {}  # weight -> (its quantizer, its column)
         for idx in members.values():
             p = params[idx[0]]
             q = _choose_quantizer(p, mode, recipe, len(idx), device)
             slots = [s for i in idx for s in range(self.span[i][0], sum(self.span[i]))]
-            self.groups.append(_Group(q, p.fp8_format, torch.tensor(slots, dtype=torch.long, device=device)))
+            run = (slice(slots[0], slots[-1] + 1) if slots and slots == list(range(slots[0], slots[-1] + 1))
+                   else None)
+            index = torch.tensor(slots, dtype=torch.long, device=device)
+            self.groups.append(_Group(q, p.fp8_format, index, run))
             for col, i in enumerate(idx):
                 self._col[i] = (q, col)
         # Each weight as its quantizer's stats and casts see it: 2-D [rows, cols], one scale per
@@ -510,9 +518,15 @@ class WeightQuantizers:
         Delayed: the cast uses the scales from before; the new ones serve the next step.
         ``apply`` (0-d bool): where False the scaling state stays as it was ([Note: skip on the
         device]; the cast that would use the returned scales writes nothing then)."""
-        new = self.scale.clone()
-        for g in self.groups:
-            new[g.slots] = g.quantizer.scales(global_amax[g.slots], g.fmt, self.scale[g.slots], apply=apply)
+        # ``prev`` is always a copy: a stateful quantizer (delayed) keeps it as its own state
+        if len(self.groups) == 1 and self.groups[0].run == slice(0, self.num_slots):
+            g = self.groups[0]  # one call over every slot: no gather, no scatter
+            new = g.quantizer.scales(global_amax, g.fmt, self.scale.clone(), apply=apply)
+        else:
+            new = self.scale.clone()
+            for g in self.groups:
+                at = g.run if g.run is not None else g.slots
+                new[at] = g.quantizer.scales(global_amax[at], g.fmt, self.scale[at].clone(), apply=apply)
         if apply is not None:
             new = torch.where(apply, new, self.scale)
         used = self.scale if self._ahead else new
