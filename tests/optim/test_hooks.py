@@ -42,6 +42,17 @@ def _launch_order(arrival: list[int]) -> list[tuple[int, int]]:
     return group.launched
 
 
+
+def _grad_sync(shapes, grad_dtype, **layout):
+    """Zero parameters of ``shapes``, laid out in reverse (as the backward reaches them), their
+    regions on rank 0 and a ``GradSync`` over a recording group."""
+    params = {i: nn.Parameter(torch.zeros(s)) for i, s in enumerate(shapes)}
+    specs = [ParamSpec(i, params[i].numel(), torch.float32) for i in reversed(range(len(shapes)))]
+    regions = [RegionBuffers(lay, 0, torch.device("cpu"), grad_dtype, torch.float32)
+               for lay in build_layout(specs, **layout)]
+    return params, regions, GradSync(regions, params, _RecordingGroup(regions), overlap=True)  # type: ignore[arg-type]
+
+
 def test_buckets_launch_in_one_order_whatever_the_arrival_order():
     backward_order = _launch_order([3, 2, 1, 0])
     assert len(backward_order) == len(set(backward_order)) == 4  # 29 elements -> 30 -> 4 buckets
@@ -66,11 +77,8 @@ def test_lazy_zeroing_gives_the_bits_of_zero_then_add():
     gradients written over stale slots (-0.0 as +0.0, as 0 + -0.0 is), a micro-batch's added to
     them, a parameter without a gradient zeroed when its bucket launches, padding still zero."""
     sizes = [5, 9, 3, 12]
-    params = {i: nn.Parameter(torch.zeros(n)) for i, n in enumerate(sizes)}
-    specs = [ParamSpec(i, params[i].numel(), torch.float32) for i in reversed(range(4))]
-    regions = [RegionBuffers(lay, 0, torch.device("cpu"), torch.float32, torch.float32)
-               for lay in build_layout(specs, world_size=2, bucket_numel=8, alignment=4)]
-    sync = GradSync(regions, params, _RecordingGroup(regions), overlap=True)  # type: ignore[arg-type]
+    params, regions, sync = _grad_sync([(n,) for n in sizes], torch.float32, world_size=2, bucket_numel=8,
+                                       alignment=4)
     gen = torch.Generator().manual_seed(0)
 
     def arrive(i: int, g: torch.Tensor) -> None:
@@ -111,11 +119,7 @@ def test_strided_and_cast_gradients_land_in_row_major_order():
     shaped as its parameter, receives the gradient's values in the parameter's row-major order,
     cast to the bucket's dtype, with the bits of zero then add; the bucket keeps no graph."""
     shapes = [(3, 5), (4, 2), (6,)]
-    params = {i: nn.Parameter(torch.zeros(s)) for i, s in enumerate(shapes)}
-    specs = [ParamSpec(i, params[i].numel(), torch.float32) for i in reversed(range(3))]
-    regions = [RegionBuffers(lay, 0, torch.device("cpu"), torch.bfloat16, torch.float32)
-               for lay in build_layout(specs, world_size=1, bucket_numel=64, alignment=1)]
-    sync = GradSync(regions, params, _RecordingGroup(regions), overlap=True)  # type: ignore[arg-type]
+    params, regions, sync = _grad_sync(shapes, torch.bfloat16, world_size=1, bucket_numel=64, alignment=1)
     gen = torch.Generator().manual_seed(0)
     g0 = torch.randn(5, 3, generator=gen).t()  # (3, 5), not contiguous
     g1a, g1b = torch.randn(4, 2, generator=gen), torch.randn(2, 4, generator=gen).t()

@@ -410,10 +410,10 @@ class _ScaleStage:
         self.idx = torch.cat([torch.arange(s, s + k) for s, k in spans]).to(device)
         self.new = torch.empty(self.idx.numel(), dtype=torch.float32, device=device)
         self.old = torch.empty_like(self.new)
-        self.new_views = [v.view(shape) for v, shape in zip(self.new.split([k for _, k in spans]), shapes,
-                                                                 strict=True)]
-        self.old_views = [v.view(shape) for v, shape in zip(self.old.split([k for _, k in spans]), shapes,
-                                                                 strict=True)]
+        sizes = [k for _, k in spans]
+        self.new_views, self.old_views = (
+            [v.view(shape) for v, shape in zip(buf.split(sizes), shapes, strict=True)]
+            for buf in (self.new, self.old))
 
 
 class WeightQuantizers:
