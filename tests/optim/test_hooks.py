@@ -42,7 +42,6 @@ def _launch_order(arrival: list[int]) -> list[tuple[int, int]]:
     return group.launched
 
 
-
 def _grad_sync(shapes, grad_dtype, **layout):
     """Zero parameters of ``shapes``, laid out in reverse (as the backward reaches them), their
     regions on rank 0 and a ``GradSync`` over a recording group."""
