@@ -64,6 +64,46 @@ def test_two_ranks_equal_quantizing_the_reference_master(recipe, dist_pools):
             assert res["kernel"] == "FlatReferenceKernel"  # [Note: tiled weight casts]
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_neighbouring_tiled_weights_are_cast_as_one_view(recipe, ranks, dist_pools):
+    """Weights of one row length side by side in a region are one 2-D view for their quantizer's
+    stats and cast where each ends on a tile-row boundary ([Note: tiled weight casts]): fewer
+    calls, the same bytes and scales as each weight's own quantization."""
+    run = (lambda f, *a: [f(*a)]) if ranks == 1 else dist_pools(2).run
+    results = run(tc.one_step_against_reference, recipe, 1.0, tc.SIDE_BY_SIDE)
+    for res in results:
+        assert all(res["equal"].values()), res["equal"]
+    if ranks == 1:  # in the layout's order (the backward's): 130, 64, 128, 200, 384, 256
+        # rowwise: every row its own tile, all six one view; blockwise: the 64-row weight has its
+        # own region (its unit is 64 rows), and the 130- and 200-row weights' last bands are
+        # partial, so each closes its view: 130 | 128 200 | 384 256 || 64
+        assert results[0]["pieces"] == ((6, 1) if recipe == "rowwise" else (6, 4))
+    else:  # each rank's share of the pieces, joined where it holds neighbours
+        assert all(joined <= raw for raw, joined in (r["pieces"] for r in results))
+        assert any(joined < raw for raw, joined in (r["pieces"] for r in results)), results
+
+
+def test_a_piece_joins_its_neighbour_only_after_whole_bands():
+    """The guard behind the joins: a blockwise piece whose last band is partial (130 rows) closes
+    its view even where the next piece follows it directly; per-tensor pieces never join."""
+    from fp8shard.fp8 import Fp8Format
+    from fp8shard.fp8.tiled import weight_quantizer
+    from fp8shard.optim.fp8_weights import _joins, _Piece
+
+    q, fmt = weight_quantizer((128, 128)), Fp8Format.E4M3
+
+    def piece(start: int, rows: int, band: int = 128) -> _Piece:
+        n = rows * 96
+        return _Piece(q, fmt, slice(start, start + n), slice(start, start + n), 96, [], slice(0),
+                      (-(-rows // max(band, 1)), 1), band)
+
+    assert _joins(piece(0, 256), piece(256 * 96, 130))
+    assert not _joins(piece(0, 130), piece(130 * 96, 128))  # a partial band: its own view
+    assert not _joins(piece(0, 256), piece(257 * 96, 128))  # not adjacent
+    assert not _joins(piece(0, 1, band=0), piece(96, 1, band=0))  # per tensor: one slot each
+
+
 def test_tiled_weights_refuse_the_fused_step_and_delayed_weight_scaling():
     model = tc.build("blockwise")
     with pytest.raises(ValueError, match=r"step_kernel='fused' casts per-tensor FP8 weights only.*"

@@ -18,20 +18,31 @@ from fp8shard.optim import DistributedFusedAdam
 from fp8shard.optim.fused_step import adam_
 
 SHAPES = ((300, 200), (130, 300), (64, 130))  # partial 128-row bands, rows shorter than a band
+# Weights of one row length side by side (one input, outputs concatenated): neighbours in the
+# optimizer's regions that its reference kernel joins into one 2-D view, where the bands allow.
+SIDE_BY_SIDE = ((256, 96), (384, 96), (200, 96), (128, 96), (64, 96), (130, 96))
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
 
 
-def build(recipe: str, seed: int = 0) -> torch.nn.Sequential:
+class SideBySide(torch.nn.ModuleList):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self], dim=1)
+
+
+def build(recipe: str, seed: int = 0, shapes: tuple[tuple[int, int], ...] = SHAPES) -> torch.nn.Module:
     torch.manual_seed(seed)
     tiled = is_tiled(parse_recipe(recipe))
     with fs.fp8_model_init(recipe=recipe if tiled else None, preserve_high_precision_init_val=True):
-        return torch.nn.Sequential(*[fs.nn.Linear(i, o) for o, i in SHAPES])
+        layers = [fs.nn.Linear(i, o) for o, i in shapes]
+    return torch.nn.Sequential(*layers) if shapes is SHAPES else SideBySide(layers)
 
 
-def one_step_against_reference(recipe: str, bucket_cap_mb: float) -> dict[str, Any]:
+def one_step_against_reference(recipe: str, bucket_cap_mb: float,
+                               shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict[str, Any]:
     """One step; per FP8 weight whether its bytes and scales equal the recipe's quantization of
-    the reference master, and the wire bytes of the step."""
-    model = build(recipe)
+    the reference master, the wire bytes of the step, and the reference kernel's pieces of
+    weights (as the layout cuts them, and as its quantizers' calls see them)."""
+    model = build(recipe, shapes=shapes)
     fp8 = {n: p for n, p in model.named_parameters() if isinstance(p, Float8Tensor)}
     init = {n: p.get_high_precision_init_val().float().clone() for n, p in fp8.items()}
     init_scale_inv = {n: p.scale_inv.clone() for n, p in fp8.items()}
@@ -41,7 +52,7 @@ def one_step_against_reference(recipe: str, bucket_cap_mb: float) -> dict[str, A
     opt = DistributedFusedAdam(model.parameters(), lr=HP["lr"], weight_decay=HP["weight_decay"],
                                bucket_cap_mb=bucket_cap_mb, grad_sync_dtype=torch.float32,
                                fp8_weight_scaling="delayed" if recipe == "delayed" else "current")
-    x = torch.randn(16, SHAPES[0][1], generator=torch.Generator().manual_seed(7))
+    x = torch.randn(16, shapes[0][1], generator=torch.Generator().manual_seed(7))
     with fs.fp8_autocast(recipe=recipe):
         model(x).square().mean().backward()
     opt.step()
@@ -60,4 +71,8 @@ def one_step_against_reference(recipe: str, bucket_cap_mb: float) -> dict[str, A
     comm = opt.comm_report()
     gathered = sum(v for k, v in comm.items() if k.startswith("all_gather.params.float8"))
     wire = gathered + comm["all_reduce.amax"]
-    return {"equal": out, "bytes_per_weight": wire / weights, "kernel": type(opt.engine.kernel).__name__}
+    fp8_regions = [rb for rb in opt.engine.regions if rb.is_fp8 and rb.pieces]
+    pieces = (sum(len(rb.pieces) for rb in fp8_regions),
+              sum(len(opt.engine.fp8._plan(rb)[0]) for rb in fp8_regions))
+    return {"equal": out, "bytes_per_weight": wire / weights, "kernel": type(opt.engine.kernel).__name__,
+            "pieces": pieces}
