@@ -1,8 +1,11 @@
 """What every rank runs in tests/optim/test_tiled_weights.py (module-level, for pool workers).
 
-Every rank computes the same batch, so the averaged gradient is each rank's own (fp32 gradient
-sync: exact), and the reference -- ``adam_`` on the fp32 init value with that gradient, then
-the recipe's quantization of the result -- needs no other rank.
+Every rank computes the same batch, and the reference -- ``adam_`` on the fp32 init value with
+the averaged gradient, then the recipe's quantization of the result -- takes that average
+itself: two processes need not round the same matmul alike (a CPU kernel may block differently
+by the alignment of its buffers), so a rank's own gradient can differ from the other's in the
+last bit. At two ranks the fp32 average (a + b) / 2 is exact whatever the order, so the
+optimizer's reduce-scatter and the reference's all-reduce agree bit for bit.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ def one_step_against_reference(recipe: str, bucket_cap_mb: float,
     x = torch.randn(16, shapes[0][1], generator=torch.Generator().manual_seed(7))
     with fs.fp8_autocast(recipe=recipe):
         model(x).square().mean().backward()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        for g in grads.values():
+            torch.distributed.all_reduce(g)
+            g /= torch.distributed.get_world_size()
     opt.step()
     out = {}
     for n, p in fp8.items():
