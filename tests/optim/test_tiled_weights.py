@@ -95,7 +95,7 @@ def test_a_piece_joins_its_neighbour_only_after_whole_bands():
 
     def piece(start: int, rows: int, band: int = 128) -> _Piece:
         n = rows * 96
-        return _Piece(q, fmt, slice(start, start + n), slice(start, start + n), 96, [], slice(0),
+        return _Piece(q, fmt, slice(start, start + n), slice(start, start + n), 96, (), slice(0),
                       (-(-rows // max(band, 1)), 1), band)
 
     assert _joins(piece(0, 256), piece(256 * 96, 130))

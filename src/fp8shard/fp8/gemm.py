@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -85,7 +86,19 @@ def force_gemm_path(path: str | None) -> Iterator[None]:
         _forced_path = previous
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn):  # type: ignore[no-untyped-def]
+    """``torch.compiler.assume_constant_result`` without importing Dynamo at import time: that
+    decorator imports ``torch._dynamo`` (about a second, half of what importing fp8shard costs)
+    to set one attribute, and a process that never compiles (the CPU training command, every
+    test subprocess) need not pay for it. Where Dynamo is loaded, its own decorator; a test
+    checks that both mark a function alike."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # what torch._dynamo.decorators.assume_constant_result sets
+    return fn
+
+
+@_constant_under_compile
 def _report_once(reason: str, message: str) -> bool:
     # Under torch.compile this runs (natively) while the graph is traced, so a compiled first
     # call reports too, and logging/warnings cause no graph break.
@@ -99,7 +112,7 @@ def _report_once(reason: str, message: str) -> bool:
 _FP8_CAPABLE: dict[int, bool] = {}
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def _cuda_fp8_capable(device_index: int) -> bool:
     # Cached; under torch.compile a constant of the graph (the driver query would break it).
     if device_index not in _FP8_CAPABLE:
@@ -137,7 +150,7 @@ def measure_cpu_gemm(m: int = 128, k: int = 256, n: int = 256, repeats: int = 3)
     return {"scaled_mm_ms": t_scaled, "emulated_ms": t_emulated}
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def _cpu_auto_path() -> str:
     # Measured once per process, natively (under torch.compile: while tracing, then a constant).
     if "path" not in _cpu_auto:

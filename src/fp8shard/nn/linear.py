@@ -417,9 +417,14 @@ class Linear(torch.nn.Linear):
                     f"torch {torch.__version__}'s Dynamo cannot compile the layer around its "
                     "creation; call fs.nn.prepare_delayed_scaling(model, recipe) before "
                     "torch.compile (trainer.compile=true does)")
-            self._init_delayed_state(recipe)
+            if torch.compiler.is_compiling():
+                # A graph break: the state is made eagerly (buffers made inside a graph and
+                # written by its backward cannot be compiled). Disabled here, not by a decorator:
+                # torch.compiler.disable imports Dynamo, about a second of every process's import.
+                torch.compiler.disable(self._init_delayed_state)(recipe)
+            else:
+                self._init_delayed_state(recipe)
 
-    @torch.compiler.disable
     def _init_delayed_state(self, recipe: DelayedScaling) -> None:
         """Create (or adapt to a new recipe) the amax history and scales of the three operands.
 

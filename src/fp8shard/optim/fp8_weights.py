@@ -54,8 +54,8 @@ class _Piece(NamedTuple):
     """Its elements in the region's parameter buffer (the bytes)."""
     cols: int
     """Row length of its 2-D view (whole rows of a tiled weight; the piece itself, per tensor)."""
-    slots: list[int]
-    """The slots of its tiles, in the order of its 2-D view's tiles."""
+    slots: tuple[range, ...]
+    """The slots of its tiles, in the order of its 2-D view's tiles (a run per weight)."""
     at: slice
     """Its tiles' stats and scales in the region's slot order (the plan's index)."""
     grid: tuple[int, int]
@@ -88,7 +88,7 @@ class Fp8WeightScaler(WeightQuantizers):
                 piece = _Piece(self.quantizer(i), self._fmt[i],
                                slice(pc.local_offset, pc.local_offset + pc.numel),
                                slice(pc.region_offset, pc.region_offset + pc.numel), width,
-                               list(range(first, first + grid[0] * grid[1])), slice(0), grid,
+                               (range(first, first + grid[0] * grid[1]),), slice(0), grid,
                                br if i in self.tiled else 0)
                 if pieces and _joins(pieces[-1], piece):
                     a = pieces[-1]
@@ -99,9 +99,10 @@ class Fp8WeightScaler(WeightQuantizers):
                 pieces.append(piece)
             n = 0
             for k, p in enumerate(pieces):
-                pieces[k] = p._replace(at=slice(n, n + len(p.slots)))
-                n += len(p.slots)
-            idx = [s for p in pieces for s in p.slots]
+                tiles = sum(len(r) for r in p.slots)
+                pieces[k] = p._replace(at=slice(n, n + tiles))
+                n += tiles
+            idx = [s for p in pieces for r in p.slots for s in r]
             self._plans[key] = (pieces, torch.tensor(idx, dtype=torch.long, device=rb.master.device))
         return self._plans[key]
 
