@@ -1,6 +1,7 @@
-"""Importing fp8shard does not import Dynamo (about a second of every process's start: the
-training command's ranks, the CLI tools, the tests' subprocesses); the functions marked for it
-are marked as torch's own decorator marks them."""
+"""Importing fp8shard does not import Dynamo (about a second of a process's start: the
+command-line tools, any script that imports the package; a training run loads it later, when
+it builds the model on the meta device); the functions marked for it are marked as torch's own
+decorator marks them."""
 
 from __future__ import annotations
 

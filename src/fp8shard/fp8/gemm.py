@@ -89,9 +89,10 @@ def force_gemm_path(path: str | None) -> Iterator[None]:
 def _constant_under_compile(fn):  # type: ignore[no-untyped-def]
     """``torch.compiler.assume_constant_result`` without importing Dynamo at import time: that
     decorator imports ``torch._dynamo`` (about a second, half of what importing fp8shard costs)
-    to set one attribute, and a process that never compiles (the CPU training command, every
-    test subprocess) need not pay for it. Where Dynamo is loaded, its own decorator; a test
-    checks that both mark a function alike."""
+    to set one attribute, and a process that never compiles need not pay for it at import (the
+    command-line tools; a training run loads Dynamo anyway once it builds the model on the meta
+    device, whose ops go through torch's reference implementations). Where Dynamo is loaded,
+    its own decorator; a test checks that both mark a function alike."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True  # what torch._dynamo.decorators.assume_constant_result sets

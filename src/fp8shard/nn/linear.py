@@ -420,7 +420,7 @@ class Linear(torch.nn.Linear):
             if torch.compiler.is_compiling():
                 # A graph break: the state is made eagerly (buffers made inside a graph and
                 # written by its backward cannot be compiled). Disabled here, not by a decorator:
-                # torch.compiler.disable imports Dynamo, about a second of every process's import.
+                # torch.compiler.disable imports Dynamo, about a second of importing fp8shard.
                 torch.compiler.disable(self._init_delayed_state)(recipe)
             else:
                 self._init_delayed_state(recipe)
