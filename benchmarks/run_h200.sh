@@ -19,7 +19,7 @@
 #   engines        the 1.3B GPT on the flat engine, the FSDP2 engine and torchao float8 + FSDP2 (world size 1)
 #   memory         where the step's peak memory goes at 1.3B (against torchao float8) and at 125M: each
 #                  phase's peak and what is live at the step's peak (compare_peers --memory-snapshot)
-#   parity         the 125M loss-parity preset, three runs at a time, time-boxed (PARITY_BOX_S, default
+#   parity         the 125M loss-parity preset, six runs at a time, time-boxed (PARITY_BOX_S, default
 #                  540 s) and resumable: repeat the same call until it prints the table (PARITY_RECIPES
 #                  picks the recipes, PARITY_GPUS the runs at a time, PARITY_DATA a prepared English
 #                  corpus; runs/parity_125m* stays on the machine while it is held)
@@ -151,10 +151,11 @@ if [ "$part" = parity ]; then
   # next call with --reuse reads the finished runs and resumes the others.
   # PARITY_DATA: a prepared English corpus carried along (carry=["data/english-bpe"], made by
   # benchmarks/english_corpus.sh and `python -m fp8shard.data prepare`, docs/numerics.md);
-  # PARITY_GPUS: runs at a time (0,0,0: three on GPU 0; each peaks near 10 GB at 125M).
+  # PARITY_GPUS: runs at a time (six on GPU 0 by default: each peaks near 10 GB at 125M; six
+  # ran on one H100's 80 GB, 2026-12-08, where nine do not fit).
   pout=runs/parity_125m${PARITY_DATA:+_$(basename "$PARITY_DATA")}
   run timeout -k 30 -s TERM "${PARITY_BOX_S:-540}" $py benchmarks/parity.py --preset h200-125m \
     --recipes "${PARITY_RECIPES:-bf16,fp8-current,fp8-delayed,fp8-rowwise,fp8-blockwise}" \
-    --gpus "${PARITY_GPUS:-0,0,0}" ${PARITY_DATA:+--data "$PARITY_DATA"} --out "$pout" --reuse 2>&1 | tail -20
+    --gpus "${PARITY_GPUS:-0,0,0,0,0,0}" ${PARITY_DATA:+--data "$PARITY_DATA"} --out "$pout" --reuse 2>&1 | tail -20
   cp "$pout/parity.json" "$pout/parity.png" "$OUT/" 2>/dev/null || true
 fi
