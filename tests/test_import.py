@@ -21,16 +21,14 @@ def test_importing_the_package_and_the_training_command_leaves_dynamo_unloaded()
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_constant_under_compile_marks_a_function_as_torch_does(monkeypatch):
+def test_constant_under_compile_marks_a_function_as_torch_does():
     def ours() -> int:
         return 1
 
     def theirs() -> int:
         return 1
 
-    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)  # as at import: not loaded
     assert gemm._constant_under_compile(ours) is ours
-    monkeypatch.undo()
     torch.compiler.assume_constant_result(theirs)
     assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
     assert all(getattr(f, "_dynamo_marked_constant", False)

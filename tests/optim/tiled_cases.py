@@ -10,6 +10,7 @@ optimizer's reduce-scatter and the reference's all-reduce agree bit for bit.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ def build(recipe: str, seed: int = 0, shapes: tuple[tuple[int, int], ...] = SHAP
     tiled = is_tiled(parse_recipe(recipe))
     with fs.fp8_model_init(recipe=recipe if tiled else None, preserve_high_precision_init_val=True):
         layers = [fs.nn.Linear(i, o) for o, i in shapes]
-    return torch.nn.Sequential(*layers) if shapes is SHAPES else SideBySide(layers)
+    chained = all(a[0] == b[1] for a, b in itertools.pairwise(shapes))  # each output feeds the next
+    return torch.nn.Sequential(*layers) if chained else SideBySide(layers)
 
 
 def one_step_against_reference(recipe: str, bucket_cap_mb: float,

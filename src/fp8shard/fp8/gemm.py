@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -87,15 +86,13 @@ def force_gemm_path(path: str | None) -> Iterator[None]:
 
 
 def _constant_under_compile(fn):  # type: ignore[no-untyped-def]
-    """``torch.compiler.assume_constant_result`` without importing Dynamo at import time: that
-    decorator imports ``torch._dynamo`` (about a second, half of what importing fp8shard costs)
-    to set one attribute, and a process that never compiles need not pay for it at import (the
-    command-line tools; a training run loads Dynamo anyway once it builds the model on the meta
-    device, whose ops go through torch's reference implementations). Where Dynamo is loaded,
-    its own decorator; a test checks that both mark a function alike."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True  # what torch._dynamo.decorators.assume_constant_result sets
+    """``torch.compiler.assume_constant_result`` without importing Dynamo: that decorator
+    imports ``torch._dynamo`` (about a second, half of what importing fp8shard costs) to set
+    one attribute, which Dynamo reads when it traces a call. A process that never compiles need
+    not pay for it at import (the command-line tools; a training run loads Dynamo anyway once
+    it builds the model on the meta device, whose ops go through torch's reference
+    implementations). ``tests/test_import.py`` checks that both mark a function alike."""
+    fn._dynamo_marked_constant = True
     return fn
 
 
